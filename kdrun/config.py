@@ -56,7 +56,8 @@ class TaskConfig:
     hub_dataset: str = "nyu-mll/glue"
     hub_config: Optional[str] = None
     data_dir: Optional[str] = None
-    data_files: Dict[str, str] = field(default_factory=dict)
+    # csv/json files per split: task.data_files='{train: a.csv, validation: b.csv}'
+    data_files: Any = None
     tsv: TsvFormat = field(default_factory=TsvFormat)
     train_split: str = "train"
     eval_splits: List[str] = field(default_factory=lambda: ["validation"])
@@ -175,6 +176,8 @@ class LoggerConfig:
 @dataclass
 class TrainConfig:
     seed: int = 42
+    # When set, every stage of the objective trains this many epochs (teacher: teacher.finetune.epochs).
+    epochs: Optional[float] = None
     # ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
     device: str = "auto"
     # ``auto`` = bf16 on CUDA when supported, fp16 + grad scaler otherwise on CUDA, fp32 on CPU.

@@ -58,9 +58,12 @@ class StagePlan:
         return self.uses_teacher and self.teacher_needs <= {"logits"}
 
 
-def plan_stages(objective_cfg: DictConfig) -> list[StagePlan]:
-    """Resolve and validate the objective's stages (no model needed)."""
+def plan_stages(objective_cfg: DictConfig, epochs: float | None = None) -> list[StagePlan]:
+    """Resolve and validate the objective's stages (no model needed); ``epochs`` overrides every stage's."""
     stages_cfg = OmegaConf.to_container(objective_cfg.stages, resolve=True)
+    if epochs is not None:
+        for st in stages_cfg:
+            st["epochs"] = epochs
     if not stages_cfg:
         raise ValueError(f"objective '{objective_cfg.name}' has no stages; add objective.stages in its YAML")
     plans = []

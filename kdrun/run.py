@@ -30,7 +30,7 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
     from kdrun.data.sources import check_task_data
     from kdrun.models import resolve_reference
 
-    plans = plan_stages(cfg.objective)
+    plans = plan_stages(cfg.objective, cfg.train.epochs)
     if cfg.mapping.name not in MAPPINGS:
         raise ConfigError(f"mapping.name='{cfg.mapping.name}' is unknown; valid: {', '.join(sorted(MAPPINGS))}")
     if cfg.augmentation.name != "none" and any(p.cfg["data"] == "augmented" for p in plans):
@@ -238,6 +238,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             def train_teacher(out: Path) -> dict[str, Any]:
                 from kdrun.tracking import Tracker as _T
 
+                seed_everything(tcfg.seed)
                 model = accelerator.prepare_model(new_teacher())
                 plan = finetune_plan(tc.finetune)
                 objective = Objective([plan], [], task.num_labels, M.describe(model), None)
@@ -266,7 +267,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         teacher.eval()
     teacher_s = time.perf_counter() - t0
 
-    # ---- student
+    # ---- student (re-seeded: a teacher cache hit or miss must not change the student's result)
+    seed_everything(tcfg.seed)
     sc = cfg.student
     need_s_attn = "attentions" in student_needs
     if sc.kind == "truncated":

@@ -20,6 +20,9 @@ class Tracker:
         if not enabled:
             return
         if logger_cfg.name == "wandb" and logger_cfg.mode != "disabled":
+            import os
+
+            os.environ.setdefault("WANDB_SILENT", "true")  # kdrun prints its own sync hint
             import wandb
 
             self.wandb_run = wandb.init(

@@ -141,7 +141,10 @@ def make_loader(
         ds["length"], batch_size, seed, group_by_length=group_by_length, shuffle=train
     )
     cols = [c for c in (*TOKEN_COLUMNS, "labels", "idx") if c in ds.column_names]
+    # A private generator: creating the loader's iterator must not draw from the global RNG, or
+    # dropout masks after a resume would differ from those of an uninterrupted run.
     loader = DataLoader(
-        ds.with_format(None, columns=cols), batch_sampler=sampler, collate_fn=collator, num_workers=num_workers
+        ds.with_format(None, columns=cols), batch_sampler=sampler, collate_fn=collator, num_workers=num_workers,
+        generator=torch.Generator().manual_seed(seed),
     )
     return loader, sampler

@@ -317,7 +317,8 @@ def _data_file_paths(task: Any) -> dict[str, Path]:
     if missing:
         raise DataError(
             f"task '{_task_name(task)}': task.data_files has no file for split(s) {missing}; it maps "
-            f"{ {k: str(v) for k, v in files.items()} }. Add e.g. task.data_files.{missing[0]}=path/to/file.csv"
+            f"{ {k: str(v) for k, v in files.items()} }. Give every split, e.g. task.data_files='{{train: a.csv, "
+            f"{missing[0]}: b.csv}}'"
         )
     return {s: Path(os.path.expanduser(str(files[s]))) for s in _splits(task)}
 
@@ -477,7 +478,9 @@ def _to_dataset(cols: dict[str, list[Any]], pair: bool, regression: bool) -> dat
 def check_task_data(task: Any) -> None:
     """Cheap pre-flight check (no parsing): the configured files exist, else :class:`DataError`.
 
-    Toy and hub sources are not checked (the hub is only reachable by loading).
+    For the hub, only reachability is probed (a few seconds at most) so an offline machine fails
+    at once instead of after minutes of retries; a dataset in the local cache is still used when
+    HF_DATASETS_OFFLINE=1 is set.
     """
     if _get(task, "toy") is not None:
         return
@@ -486,6 +489,15 @@ def check_task_data(task: Any) -> None:
         return
     if _get(task, "data_dir"):
         _check_tsv_files(task)
+        return
+    from kdrun.models import _hub_offline, _hub_reachable
+
+    if not _hub_offline() and os.environ.get("HF_DATASETS_OFFLINE") != "1" and not _hub_reachable():
+        raise DataError(
+            f"task '{_task_name(task)}': its data comes from the hub ({_get(task, 'hub_dataset')}), which is "
+            "unreachable from this machine. Use local files instead: task.data_dir=<GLUE TSV dir> (classic "
+            "GLUE layout), task.data_files={train: ..., validation: ...} (csv/json), or task=toy."
+        )
 
 
 def load_task_data(task: Any, seed: int = 42) -> datasets.DatasetDict:

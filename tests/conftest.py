@@ -1,0 +1,54 @@
+"""Shared test setup: offline, no wandb account, caches and outputs under tmp dirs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+GLUE = SHARED / "data" / "glue"
+
+# Tiny models on a small toy task: a whole run takes seconds.
+TINY = [
+    "teacher=tiny_random",
+    "student=tiny_random",
+    "logger=none",
+    "teacher.finetune.epochs=1",
+    "train.eval_batch_size=64",
+]
+TOY = ["task=toy", "task.toy.num_train=160", "task.toy.num_validation=64"]
+
+
+def compose(overrides: list[str]):
+    """The config `kdrun <overrides>` would run, composed with Hydra's API."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    from kdrun.config import register_configs
+
+    register_configs()
+    with initialize_config_module(config_module="kdrun.conf", version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides)
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path) -> Path:
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def run_cfg(cache_dir: Path):
+    """compose() with the tiny setup and a private cache dir."""
+
+    def make(*extra: str, toy: bool = True):
+        return compose([*TINY, *(TOY if toy else []), f"cache_dir={cache_dir}", *extra])
+
+    return make

@@ -1,0 +1,108 @@
+"""Every config group option composes; the schema rejects bad keys and types, naming them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.conftest import REPO, compose
+
+CONF = REPO / "conf"
+GROUPS = ["task", "teacher", "student", "objective", "mapping", "augmentation", "logger", "sweep",
+          "experiment", "launcher"]
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_option_composes(group: str, option: str) -> None:
+    cfg = compose([f"{group}={option}"])
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    if group in ("task", "teacher", "student", "objective"):
+        assert getattr(cfg, group).name == option
+
+
+def test_all_groups_have_options() -> None:
+    for g in GROUPS:
+        assert options(g), f"conf/{g} is empty"
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("task.nosuch=1", "nosuch"),
+        ("train.seed=abc", "train.seed"),
+        ("objective.stages.0.lr=fast", "objective.stages[0].lr"),
+        ("task.num_labels=two", "task.num_labels"),
+    ],
+)
+def test_schema_rejects_bad_values(override: str, key: str) -> None:
+    with pytest.raises(Exception) as e:
+        cfg = compose([override])
+        OmegaConf.to_container(cfg, resolve=True)
+    assert key.split(".")[-1].split("[")[0] in str(e.value)
+
+
+def test_unknown_key_in_yaml_is_named(tmp_path: Path) -> None:
+    (tmp_path / "task").mkdir()
+    (tmp_path / "task" / "typo.yaml").write_text("name: typo\nmax_seq_lenght: 64\n")
+    with pytest.raises(Exception) as e:
+        compose([f"hydra.searchpath=[file://{tmp_path}]", "task=typo"])
+    assert "max_seq_lenght" in str(e.value)
+
+
+def test_logit_weights_follow_alpha() -> None:
+    cfg = compose(["objective=logit", "objective.alpha=0.7", "objective.temperature=3"])
+    losses = OmegaConf.to_container(cfg.objective.stages[0].losses, resolve=True)
+    assert losses[0]["name"] == "ce" and losses[0]["weight"] == pytest.approx(0.3)
+    assert losses[1]["weight"] == pytest.approx(0.7)
+    assert losses[1]["params"]["temperature"] == 3
+
+
+def test_mnli_evaluates_both_dev_sets() -> None:
+    cfg = compose(["task=mnli"])
+    assert list(cfg.task.eval_splits) == ["validation_matched", "validation_mismatched"]
+
+
+def _kdrun(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kdrun", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+def test_help_lists_groups() -> None:
+    out = _kdrun("--help").stdout
+    for g in GROUPS:
+        assert f"{g}:" in out
+    assert "cola, mnli, mrpc, qnli, qqp, rte, sst2, stsb, toy, wnli" in out
+
+
+def test_unknown_task_lists_choices() -> None:
+    t = time.perf_counter()
+    r = _kdrun("task=nosuch")
+    assert r.returncode != 0
+    assert time.perf_counter() - t < 30
+    assert "Available options in 'task'" in r.stderr and "sst2" in r.stderr
+
+
+def test_missing_data_dir_names_paths(tmp_path: Path) -> None:
+    r = _kdrun("task=sst2", f"task.data_dir={tmp_path}/nonexistent", f"cache_dir={tmp_path}/c",
+               f"hydra.run.dir={tmp_path}/run")
+    assert r.returncode == 2, r.stderr
+    assert f"{tmp_path}/nonexistent/train.tsv" in r.stderr and "dev.tsv" in r.stderr
+    assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_hub_only_model_offline_fails_fast(tmp_path: Path) -> None:
+    t = time.perf_counter()
+    r = _kdrun("teacher=bert_base", "logger=none", f"cache_dir={tmp_path}/c", f"hydra.run.dir={tmp_path}/run")
+    elapsed = time.perf_counter() - t
+    assert r.returncode == 2, r.stderr
+    assert "bert-base-uncased" in r.stderr and "teacher=minilm_l6" in r.stderr
+    assert elapsed < 30  # process start-up included; the hub is never contacted
