@@ -172,8 +172,16 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from kdrun.teacher import finetune_plan, get_teacher, teacher_cache_key
     from kdrun.tracking import Tracker
     from kdrun.trainer import (
-        RunParts, SimulatedInterrupt, TrainState, checkpoint_dir, evaluate, finalize_best, load_checkpoint_state,
-        restore_models, run_stage, seed_everything,
+        RunParts,
+        SimulatedInterrupt,
+        TrainState,
+        checkpoint_dir,
+        evaluate,
+        finalize_best,
+        load_checkpoint_state,
+        restore_models,
+        run_stage,
+        seed_everything,
     )
 
     hf_logging.set_verbosity_error()
@@ -201,7 +209,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     tokenized = tokenize_splits(raw, tokenizer, task.max_seq_length)
     train_data = tokenized[task.train_split]
     eval_data = {s: tokenized[s] for s in task.eval_splits}
-    collator = Collator(tokenizer.pad_token_id, regression, pad_to=task.max_seq_length if tcfg.pad_to_max_length else None)
+    pad_to = task.max_seq_length if tcfg.pad_to_max_length else None
+    collator = Collator(tokenizer.pad_token_id, regression, pad_to=pad_to)
     data_s = time.perf_counter() - t0
 
     def metric_fn(logits, labels):

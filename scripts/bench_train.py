@@ -46,8 +46,8 @@ def main() -> None:
     from kdrun.metrics import compute_task_metrics
     from kdrun.objective import Objective, plan_stages
     from kdrun.run import make_accelerator
-    from kdrun.trainer import RunParts, TrainState, run_stage, seed_everything
     from kdrun.tracking import Tracker
+    from kdrun.trainer import RunParts, TrainState, run_stage, seed_everything
 
     if not Path(args.data_dir, "train.tsv").exists():
         sys.exit(f"SST-2 not found at {args.data_dir}; pass --data-dir <GLUE SST-2 directory>")
@@ -116,8 +116,9 @@ def main() -> None:
     fast = measure(naive=False)
     ratio = fast["examples_per_s"] / naive["examples_per_s"]
     print(f"\n{'loop':<40} {'examples/s':>10} {'seconds':>8}")
-    print(f"{'naive (pad 128, eager, teacher each step)':<40} {naive['examples_per_s']:>10.1f} {naive['seconds']:>8.1f}")
-    print(f"{'kdrun (dynamic pad, sdpa, cached logits)':<40} {fast['examples_per_s']:>10.1f} {fast['seconds']:>8.1f}")
+    for name, r in (("naive (pad 128, eager, teacher each step)", naive),
+                    ("kdrun (dynamic pad, sdpa, cached logits)", fast)):
+        print(f"{name:<40} {r['examples_per_s']:>10.1f} {r['seconds']:>8.1f}")
     print(f"\nthroughput ratio kdrun / naive: {ratio:.2f}x  (goal >= 3x)")
     if args.json:
         Path(args.json).write_text(json.dumps({"naive": naive, "kdrun": fast, "ratio": ratio,

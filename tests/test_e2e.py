@@ -83,8 +83,9 @@ def test_interrupted_run_resumes_to_identical_result(run_cfg, tmp_path: Path) ->
     cfg = run_cfg(*TWO_STAGES)
     state_path = rd / "checkpoints" / "last" / "state.json"
     meta = json.loads(state_path.read_text())
-    from kdrun.cache import content_hash
     from omegaconf import OmegaConf
+
+    from kdrun.cache import content_hash
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
     meta["config_hash"] = content_hash({k: v for k, v in resolved.items() if k not in ("resume", "logger")})

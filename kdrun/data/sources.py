@@ -355,6 +355,20 @@ def _file_format(path: Path) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
+def _source_columns(ds: datasets.Dataset, task: Any, where: str) -> tuple[list[str], str]:
+    """The task's text and label column names, checked to exist in ``ds``."""
+    text_cols = [str(c) for c in _get(task, "text_columns", ["sentence"])]
+    label_col = str(_get(task, "label_column", "label"))
+    expected = text_cols + [label_col]
+    absent = [c for c in expected if c not in ds.column_names]
+    if absent:
+        raise DataError(
+            f"{where}: missing column(s) {absent}; expected columns {expected} (task.text_columns and "
+            f"task.label_column), found {ds.column_names}."
+        )
+    return text_cols, label_col
+
+
 def _read_data_file(path: Path, split: str, task: Any) -> dict[str, list[Any]]:
     fmt = _file_format(path)
     assert fmt is not None
@@ -363,15 +377,7 @@ def _read_data_file(path: Path, split: str, task: Any) -> dict[str, list[Any]]:
         ds = datasets.load_dataset(builder, data_files={split: str(path)}, split=split, **kwargs)
     except Exception as e:
         raise DataError(f"{path}: could not be read as {builder} ({type(e).__name__}: {e}).") from e
-    text_cols = [str(c) for c in _get(task, "text_columns", ["sentence"])]
-    label_col = str(_get(task, "label_column", "label"))
-    expected = text_cols + [label_col]
-    absent = [c for c in expected if c not in ds.column_names]
-    if absent:
-        raise DataError(
-            f"{path}: missing column(s) {absent}; expected columns {expected} (task.text_columns and "
-            f"task.label_column), found {ds.column_names}."
-        )
+    text_cols, label_col = _source_columns(ds, task, f"{path}")
     canon = ["text_a", "text_b"][: len(text_cols)]
     parse_label = _LabelParser(task)
     out: dict[str, list[Any]] = {c: [] for c in canon}
@@ -425,15 +431,7 @@ def _load_hub(task: Any) -> dict[str, datasets.Dataset]:
 
 
 def _hub_split(ds: datasets.Dataset, split: str, task: Any) -> dict[str, list[Any]]:
-    text_cols = [str(c) for c in _get(task, "text_columns", ["sentence"])]
-    label_col = str(_get(task, "label_column", "label"))
-    expected = text_cols + [label_col]
-    absent = [c for c in expected if c not in ds.column_names]
-    if absent:
-        raise DataError(
-            f"task '{_task_name(task)}': hub split '{split}' lacks column(s) {absent}; expected {expected} "
-            f"(task.text_columns, task.label_column), found {ds.column_names}."
-        )
+    text_cols, label_col = _source_columns(ds, task, f"task '{_task_name(task)}': hub split '{split}'")
     parse_label = _LabelParser(task)
     out: dict[str, list[Any]] = {}
     for c_src, c_dst in zip(text_cols, ["text_a", "text_b"]):
