@@ -231,10 +231,16 @@ def _mul(*xs: float) -> float:
     return out
 
 
+def _short_hash(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(str(text).encode()).hexdigest()[:10]
+
+
 def register_configs() -> None:
     """Register the schema and resolvers; idempotent."""
     cs = ConfigStore.instance()
     cs.store(name="kdrun_schema", node=KdrunConfig)
-    for name, fn in (("kd.one_minus", _one_minus), ("kd.mul", _mul)):
+    for name, fn in (("kd.one_minus", _one_minus), ("kd.mul", _mul), ("kd.hash", _short_hash)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

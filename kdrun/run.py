@@ -112,6 +112,14 @@ def data_fingerprint(dsd) -> str:
     return h.hexdigest()[:16]
 
 
+def run_config_hash(resolved: dict[str, Any]) -> str:
+    """Identity of a run's configuration for its checkpoints: everything that changes the result
+    (tracking settings, ``resume`` and the ``train.stop_after_steps`` testing aid do not)."""
+    keep = {k: v for k, v in resolved.items() if k not in ("resume", "logger", "output_dir", "run_name")}
+    keep["train"] = {k: v for k, v in keep.get("train", {}).items() if k != "stop_after_steps"}
+    return content_hash(keep)
+
+
 def make_accelerator(train_cfg: Any):
     import torch
     from accelerate import Accelerator
@@ -143,8 +151,12 @@ def _print_table(summary: dict[str, Any]) -> None:
     for r in rows[1:]:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
     t = summary["timings"]
-    print(f"\nteacher: {'cache hit' if summary['teacher'].get('cached') else 'fine-tuned'}"
-          f" ({summary['teacher'].get('path', '-')})")
+    teacher = summary["teacher"]
+    if teacher.get("path"):
+        how = "cache hit" if teacher.get("cached") else teacher.get("source", "fine-tuned and cached")
+        print(f"\nteacher: {how} ({teacher['path']})")
+    else:
+        print("\nteacher: none (the objective uses no teacher)")
     print(f"wall time {t['total_s']:.1f}s (teacher {t['teacher_s']:.1f}s, distillation {t['stages_s']:.1f}s)")
 
 
@@ -189,7 +201,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     task, tcfg = cfg.task, cfg.train
     regression = task.num_labels == 1
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    config_hash = content_hash({k: v for k, v in resolved.items() if k not in ("resume", "logger")})
+    config_hash = run_config_hash(resolved)
     run_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(tcfg.seed)
     accelerator = make_accelerator(tcfg)

@@ -132,12 +132,14 @@ def load_module(module: nn.Module, path: Path) -> None:
 # -------------------------------------------------------------------------------------- evaluation
 
 @torch.inference_mode()
-def predict(model: nn.Module, data, collator, batch_size: int, accelerator) -> tuple[np.ndarray, np.ndarray]:
+def predict(model: nn.Module, data, collator, batch_size: int, accelerator,
+            desc: str = "predict") -> tuple[np.ndarray, np.ndarray]:
     """Logits (N, C) and labels (N,) for a tokenised split, in the split's row order."""
     model.eval()
     loader, _ = make_loader(data, batch_size, collator, seed=0, train=False)
     logits, labels, order = [], [], []
-    for batch in loader:
+    for batch in tqdm(loader, desc=desc, leave=False, disable=not accelerator.is_main_process or len(loader) < 20,
+                      mininterval=2.0, dynamic_ncols=True):
         batch = _to_device(batch, accelerator.device)
         with accelerator.autocast():
             out = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in batch})
@@ -152,7 +154,8 @@ def predict(model: nn.Module, data, collator, batch_size: int, accelerator) -> t
 def evaluate(parts: RunParts, model: nn.Module) -> dict[str, dict[str, float]]:
     results = {}
     for split, data in parts.eval_data.items():
-        logits, labels = predict(model, data, parts.collator, parts.train_cfg.eval_batch_size, parts.accelerator)
+        logits, labels = predict(model, data, parts.collator, parts.train_cfg.eval_batch_size, parts.accelerator,
+                                 desc=f"eval {split}")
         results[split] = parts.metric_fn(logits, labels)
     return results
 
@@ -234,7 +237,7 @@ def _teacher_logit_table(parts: RunParts, plan: StagePlan) -> torch.Tensor:
     """Teacher logits for every training row, indexed by ``idx`` (the data are fixed across epochs)."""
     parts.teacher.eval()
     logits, _ = predict(parts.teacher, parts.train_data, parts.collator, parts.train_cfg.eval_batch_size,
-                        parts.accelerator)
+                        parts.accelerator, desc="teacher logits")
     return torch.from_numpy(logits).to(parts.accelerator.device)
 
 
