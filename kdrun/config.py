@@ -76,6 +76,8 @@ class FinetuneConfig:
     batch_size: int = 32
     warmup_ratio: float = 0.1
     weight_decay: float = 0.01
+    # Evaluate on dev every N steps (null = at epoch ends) and keep the best teacher.
+    eval_every_steps: Optional[int] = None
 
 
 @dataclass
@@ -178,6 +180,8 @@ class TrainConfig:
     seed: int = 42
     # When set, every stage of the objective trains this many epochs (teacher: teacher.finetune.epochs).
     epochs: Optional[float] = None
+    # When set, every stage of the objective uses this learning rate.
+    lr: Optional[float] = None
     # ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
     device: str = "auto"
     # ``auto`` = bf16 on CUDA when supported, fp16 + grad scaler otherwise on CUDA, fp32 on CPU.

@@ -58,12 +58,17 @@ class StagePlan:
         return self.uses_teacher and self.teacher_needs <= {"logits"}
 
 
-def plan_stages(objective_cfg: DictConfig, epochs: float | None = None) -> list[StagePlan]:
-    """Resolve and validate the objective's stages (no model needed); ``epochs`` overrides every stage's."""
+def plan_stages(objective_cfg: DictConfig, epochs: float | None = None, lr: float | None = None) -> list[StagePlan]:
+    """Resolve and validate the objective's stages (no model needed).
+
+    ``epochs`` / ``lr`` (train.epochs, train.lr) override every stage's value when given.
+    """
     stages_cfg = OmegaConf.to_container(objective_cfg.stages, resolve=True)
-    if epochs is not None:
-        for st in stages_cfg:
+    for st in stages_cfg:
+        if epochs is not None:
             st["epochs"] = epochs
+        if lr is not None:
+            st["lr"] = lr
     if not stages_cfg:
         raise ValueError(f"objective '{objective_cfg.name}' has no stages; add objective.stages in its YAML")
     plans = []

@@ -30,7 +30,7 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
     from kdrun.data.sources import check_task_data
     from kdrun.models import resolve_reference
 
-    plans = plan_stages(cfg.objective, cfg.train.epochs)
+    plans = plan_stages(cfg.objective, cfg.train.epochs, cfg.train.lr)
     if cfg.mapping.name not in MAPPINGS:
         raise ConfigError(f"mapping.name='{cfg.mapping.name}' is unknown; valid: {', '.join(sorted(MAPPINGS))}")
     if cfg.augmentation.name != "none" and any(p.cfg["data"] == "augmented" for p in plans):

@@ -28,7 +28,7 @@ def finetune_plan(finetune_cfg: Any) -> StagePlan:
     cfg = OmegaConf.to_container(finetune_cfg, resolve=True) if not isinstance(finetune_cfg, dict) else finetune_cfg
     stage = {"name": "finetune", "epochs": cfg["epochs"], "lr": cfg["lr"], "batch_size": cfg["batch_size"],
              "warmup_ratio": cfg["warmup_ratio"], "weight_decay": cfg["weight_decay"], "objective_lr": None,
-             "data": "original", "eval_every_steps": None, "select_best": True, "losses": []}
+             "data": "original", "eval_every_steps": cfg.get("eval_every_steps"), "select_best": True, "losses": []}
     return StagePlan(0, "finetune", stage, [Term("ce", get_loss("ce"), 1.0, {}, "teacher.finetune")])
 
 
