@@ -78,6 +78,8 @@ def plan_stages(objective_cfg: DictConfig, epochs: float | None = None, lr: floa
             raise ValueError(f"{where_stage}.data='{st['data']}' must be one of {VALID_DATA}")
         if not st["losses"]:
             raise ValueError(f"{where_stage} ('{st['name']}') lists no loss terms")
+        if all(float(t["weight"]) == 0.0 for t in st["losses"]):
+            raise ValueError(f"{where_stage} ('{st['name']}'): every loss term has weight 0")
         if st["epochs"] <= 0 or st["batch_size"] <= 0:
             raise ValueError(f"{where_stage}: epochs and batch_size must be positive")
         terms = []
@@ -86,6 +88,8 @@ def plan_stages(objective_cfg: DictConfig, epochs: float | None = None, lr: floa
             spec = get_loss(term["name"], where)
             params = dict(term.get("params") or {})
             check_params(spec, params, where + ".params")
+            if float(term["weight"]) == 0.0:
+                continue  # a switched-off term is neither computed nor logged
             terms.append(Term(f"{term['name']}", spec, float(term["weight"]), params, where))
         names = [t.key for t in terms]
         for t in terms:  # repeated names get a suffix so their logged values stay apart
@@ -155,6 +159,5 @@ class Objective(nn.Module):
             )
             value = term.spec.fn(student, teacher if term.spec.uses_teacher else None, batch, ctx, **term.params)
             values[term.key] = value.detach()
-            if term.weight != 0.0:
-                total = total + term.weight * value.float()
+            total = total + term.weight * value.float()
         return total, values
