@@ -43,9 +43,9 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(f"train.device='{cfg.train.device}' must be auto, cpu or cuda")
     if cfg.train.precision not in ("auto", "no", "fp32", "bf16", "fp16"):
         raise ConfigError(f"train.precision='{cfg.train.precision}' must be auto, no, fp32, bf16 or fp16")
-    for key in ("main_metric",):
-        if cfg.task.main_metric not in cfg.task.metrics:
-            raise ConfigError(f"task.{key}='{cfg.task.main_metric}' is not among task.metrics {list(cfg.task.metrics)}")
+    if cfg.task.main_metric not in cfg.task.metrics:
+        raise ConfigError(
+            f"task.main_metric='{cfg.task.main_metric}' is not among task.metrics {list(cfg.task.metrics)}")
     check_task_data(cfg.task)
     refs: dict[str, Any] = {}
     uses_teacher = any(p.uses_teacher for p in plans) or (

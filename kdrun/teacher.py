@@ -73,8 +73,7 @@ def get_teacher(
         metrics = train_fn(tmp)
         write_json_atomic(tmp / "teacher.json", {"metrics": metrics, "train_seconds": time.perf_counter() - t0,
                                                  "key": key})
-        for leftover in ("checkpoints",):
-            shutil.rmtree(tmp / leftover, ignore_errors=True)
+        shutil.rmtree(tmp / "checkpoints", ignore_errors=True)  # only the model is kept
 
     entry, cached = get_or_build(cache_root, "teachers", key, build)
     meta = json.loads((entry / "teacher.json").read_text())

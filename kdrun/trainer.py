@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from kdrun.cache import replace_dir, staging_dir, write_json_atomic
+from kdrun.cache import staging_dir, write_json_atomic
 from kdrun.data.pipeline import make_loader
 from kdrun.features import Features, extract_features
 from kdrun.objective import Objective, StagePlan
@@ -390,5 +390,5 @@ def finalize_best(parts: RunParts) -> None:
 __all__ = [
     "RunParts", "TrainState", "TrainingDiverged", "SimulatedInterrupt", "run_stage", "evaluate",
     "seed_everything", "load_checkpoint_state", "checkpoint_dir", "restore_models", "finalize_best",
-    "replace_dir", "predict",
+    "predict",
 ]

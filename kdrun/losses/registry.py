@@ -121,4 +121,4 @@ def check_params(spec: LossSpec, params: dict[str, Any], where: str) -> None:
 
 def _import_builtin_losses() -> None:
     # Importing the modules runs their @register_loss decorators.
-    from kdrun.losses import hidden, prediction  # noqa: F401
+    from kdrun.losses import ckd, hidden, prediction  # noqa: F401

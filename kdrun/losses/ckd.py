@@ -1,0 +1,166 @@
+"""Contextual knowledge distillation (CKD; REFERENCE.md "CKD", seeds 000 and 001).
+
+Four loss terms, one per switchable piece of the paper's objective, so each is logged on its own
+and each can be turned off from the command line (``conf/objective/ckd.yaml``)::
+
+    L = (1 - a) CE + a L_logit + l_CKD (L_WR + L_LTR)
+    L_WR  = ckd_wr_pair  + l_WR  * ckd_wr_angle
+    L_LTR = ckd_ltr_pair + l_LTR * ckd_ltr_angle
+
+Word relation (WR): relations among the tokens of a sentence, computed per aligned layer pair
+``ctx.layer_pairs`` (the mapping group; ``uniform`` = CKD's gcd alignment with embeddings) and
+summed over layer pairs; each layer's value is the mean over the batch's valid token pairs /
+triples (optionally within a locality window δ).
+
+Layer transforming relation (LTR): the same relations among the aligned layers' representations of
+one token (an l x l distance matrix and l^3 angles per token, weights all 1); the value is the mean
+over all valid tokens of the batch and their layer pairs / triples (the paper's "sum over tokens",
+divided by the number of entries so magnitudes do not grow with batch size or length).
+
+Relations are compared, never vectors: student and teacher may differ in width and head count.
+Kernels, masking and matching-loss conventions: :mod:`kdrun.losses.relations`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdrun.features import Features
+from kdrun.losses.registry import LossContext, register_loss
+from kdrun.losses.relations import LOSSES, PHIS, angle_loss, pair_loss
+
+# ------------------------------------------------------------------------------------------ checks
+
+def _check_common(loss: str, huber_beta: float, window=None, phi: str | None = None,
+                  normalize: bool = False) -> None:
+    if loss not in LOSSES:
+        raise ValueError(f"params.loss='{loss}' must be one of {', '.join(LOSSES)}")
+    if not float(huber_beta) > 0:
+        raise ValueError(f"params.huber_beta={huber_beta} must be > 0")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"params.window={window!r} must be a positive integer (tokens each side) or null (all)")
+    if phi is not None and phi not in PHIS:
+        raise ValueError(f"params.phi='{phi}' must be one of {', '.join(PHIS)}")
+    if normalize and phi != "l2":
+        raise ValueError("params.normalize=true divides distances by their mean; it needs phi=l2, not cosine")
+
+
+def _check_ltr(layer_pairs) -> None:
+    if len(layer_pairs) < 2:
+        raise ValueError(
+            f"LTR relates each token's representations across the aligned layers, but the mapping gives "
+            f"{len(layer_pairs)} layer pair(s) {layer_pairs}; include the embeddings "
+            "(mapping.include_embeddings=true) or turn LTR off (objective.params.ltr_pair=false "
+            "objective.params.ltr_angle=false)"
+        )
+
+
+def _check_wr_pair(student_info, teacher_info, layer_pairs, phi="cosine", normalize=False, loss="kl",
+                   window=None, huber_beta=1.0) -> None:
+    _check_common(loss, huber_beta, window, phi, normalize)
+
+
+def _check_wr_angle(student_info, teacher_info, layer_pairs, loss="mse", window=None, huber_beta=1.0) -> None:
+    _check_common(loss, huber_beta, window)
+
+
+def _check_ltr_pair(student_info, teacher_info, layer_pairs, phi="cosine", normalize=False, loss="kl",
+                    huber_beta=1.0) -> None:
+    _check_common(loss, huber_beta, None, phi, normalize)
+    _check_ltr(layer_pairs)
+
+
+def _check_ltr_angle(student_info, teacher_info, layer_pairs, loss="mse", huber_beta=1.0) -> None:
+    _check_common(loss, huber_beta)
+    _check_ltr(layer_pairs)
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+def _hidden(s: Features, t: Features, ctx: LossContext, term: str):
+    hs, ht = s.require("hidden_states"), t.require("hidden_states")
+    if not ctx.layer_pairs:
+        raise RuntimeError(f"{term}: the mapping gave no layer pairs")
+    if hs[0].shape[:2] != ht[0].shape[:2]:
+        raise RuntimeError(
+            f"{term}: student and teacher token sequences differ ({tuple(hs[0].shape[:2])} vs "
+            f"{tuple(ht[0].shape[:2])}); CKD compares relations between the same tokens, so both models "
+            "must share the tokenizer"
+        )
+    return hs, ht, s.attention_mask.bool()
+
+
+def _token_layer_points(hidden: tuple[torch.Tensor, ...], layers: list[int], mask: torch.Tensor) -> torch.Tensor:
+    """(T, l, d): each valid token's representations at ``layers`` (T = number of real tokens)."""
+    return torch.stack([hidden[i][mask] for i in layers], dim=1)
+
+
+# ------------------------------------------------------------------------------------------- terms
+
+@register_loss("ckd_wr_pair", needs={"hidden_states"}, check=_check_wr_pair)
+def ckd_wr_pair(
+    s: Features, t: Features, batch, ctx: LossContext, phi: str = "cosine", normalize: bool = False,
+    loss: str = "kl", window: int | None = None, huber_beta: float = 1.0,
+) -> torch.Tensor:
+    """CKD word relation, pair-wise: sum over aligned layers of the mean LD(phi_s(i, j), phi_t(i, j)).
+
+    phi: ``l2`` (distance, seed 000) or ``cosine`` (seed 001); normalize: divide distances by the
+    sentence's mean valid distance; loss: mse | l1 | huber | kl (rows softmaxed over j);
+    window δ: only pairs with |i - j| <= δ (null = all). Mean over the batch's valid pairs (i != j,
+    no padding) per layer; ``kl``: mean over valid rows.
+    """
+    hs, ht, mask = _hidden(s, t, ctx, "ckd_wr_pair")
+    total = hs[0].new_zeros((), dtype=torch.float32)
+    for si, ti in ctx.layer_pairs:
+        total = total + pair_loss(hs[si], ht[ti], mask, phi=phi, normalize=normalize, loss=loss, window=window,
+                                  huber_beta=huber_beta)
+    return total
+
+
+@register_loss("ckd_wr_angle", needs={"hidden_states"}, check=_check_wr_angle)
+def ckd_wr_angle(
+    s: Features, t: Features, batch, ctx: LossContext, loss: str = "mse", window: int | None = None,
+    huber_beta: float = 1.0,
+) -> torch.Tensor:
+    """CKD word relation, triple-wise: sum over aligned layers of the mean LD(psi_s(i,j,k), psi_t(i,j,k)).
+
+    psi = cosine of the angle at vertex j; window δ: i and k within δ of the vertex (null = all).
+    Mean over the batch's valid triples per layer (``kl``: over (j, i) rows, softmax over k).
+    """
+    hs, ht, mask = _hidden(s, t, ctx, "ckd_wr_angle")
+    total = hs[0].new_zeros((), dtype=torch.float32)
+    for si, ti in ctx.layer_pairs:
+        total = total + angle_loss(hs[si], ht[ti], mask, loss=loss, window=window, huber_beta=huber_beta)
+    return total
+
+
+@register_loss("ckd_ltr_pair", needs={"hidden_states"}, check=_check_ltr_pair)
+def ckd_ltr_pair(
+    s: Features, t: Features, batch, ctx: LossContext, phi: str = "cosine", normalize: bool = False,
+    loss: str = "kl", huber_beta: float = 1.0,
+) -> torch.Tensor:
+    """CKD layer transforming relation, pair-wise: relations among each token's aligned-layer vectors.
+
+    Per real token, the l x l relation matrix of its representations at the aligned layers
+    (student layers vs their teacher layers); mean over the batch's tokens and layer pairs (l != m).
+    """
+    hs, ht, mask = _hidden(s, t, ctx, "ckd_ltr_pair")
+    xs = _token_layer_points(hs, [p[0] for p in ctx.layer_pairs], mask)
+    xt = _token_layer_points(ht, [p[1] for p in ctx.layer_pairs], mask)
+    ones = torch.ones(xs.shape[:2], dtype=torch.bool, device=xs.device)
+    return pair_loss(xs, xt, ones, phi=phi, normalize=normalize, loss=loss, window=None, huber_beta=huber_beta)
+
+
+@register_loss("ckd_ltr_angle", needs={"hidden_states"}, check=_check_ltr_angle)
+def ckd_ltr_angle(
+    s: Features, t: Features, batch, ctx: LossContext, loss: str = "mse", huber_beta: float = 1.0,
+) -> torch.Tensor:
+    """CKD layer transforming relation, triple-wise: angles among each token's aligned-layer vectors.
+
+    Per real token, the l^3 angles (vertex = a layer); mean over the batch's tokens and valid triples.
+    """
+    hs, ht, mask = _hidden(s, t, ctx, "ckd_ltr_angle")
+    xs = _token_layer_points(hs, [p[0] for p in ctx.layer_pairs], mask)
+    xt = _token_layer_points(ht, [p[1] for p in ctx.layer_pairs], mask)
+    ones = torch.ones(xs.shape[:2], dtype=torch.bool, device=xs.device)
+    return angle_loss(xs, xt, ones, loss=loss, window=None, huber_beta=huber_beta)

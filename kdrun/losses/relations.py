@@ -1,0 +1,417 @@
+"""Relation kernels of Contextual KD: pair-wise and triple-wise (angle) relations among points.
+
+Everything here works on a batch of *point sets* ``x`` (P, n, d) with a validity ``mask`` (P, n):
+for the word relation (WR) a point set is one sentence at one layer (points = tokens); for the layer
+transforming relation (LTR) it is one token (points = its representations at the aligned layers).
+Student and teacher point sets share P, n and the mask but may differ in width d, since only
+relations are compared, never vectors.
+
+Relations come from Gram matrices ``G = X X^T`` (fp32, or fp64 when given fp64), never from
+(n, n, d) tensors of difference vectors:
+
+    ||r_i - r_j||^2           = G_ii + G_jj - 2 G_ij
+    <r_i - r_j, r_k - r_j>    = G_ik - G_ij - G_jk + G_jj
+    psi(r_i, r_j, r_k)        = <r_i - r_j, r_k - r_j> / (||r_i - r_j|| ||r_k - r_j||)   (vertex j)
+
+Before distances or angles are taken, each point set is centred on the mean of its valid points:
+both are translation invariant, and centring keeps the Gram entries (hence the cancellation in the
+identities above) as small as the point cloud itself.
+
+Conventions (documented once, used by every loss here):
+
+- Pairs are ordered (i, j) with i != j, both valid, and |i - j| <= window when a window is given.
+  Triples (i, j, k) have vertex j, i != j, k != j (i == k is allowed: its angle is 0, cos 1), all
+  valid, and |i - j| <= window, |k - j| <= window. Padding and out-of-range neighbours never count
+  (no clamped duplicates).
+- Degenerate geometry: a pair closer than ~sqrt(32 eps) of the points' norms (after centring) has
+  distance 0; an angle whose vertex coincides with one of its points has cosine 0 (that triple adds
+  0 when the teacher's is degenerate too). Gradients stay finite: no sqrt or division is ever
+  evaluated at 0.
+- Matching losses ``mse`` (squared error), ``l1``, ``huber`` (smooth L1 with ``huber_beta``) are
+  averaged over all valid pairs / triples of the whole batch (the sum of errors divided by the
+  number of valid entries, as the official code does for angles). ``kl`` is
+  ``KL(softmax(teacher row) || softmax(student row))`` over the valid entries of each row (a row is
+  point i for pairs, (vertex j, point i) for angles), averaged over the valid rows.
+- The teacher side is computed under ``torch.no_grad()``; everything runs with autocast disabled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+PHIS = ("l2", "cosine")
+LOSSES = ("mse", "l1", "huber", "kl")
+# Row entries outside the valid set get this logit before a softmax: exp() underflows to exactly 0
+# while everything stays finite (so no 0 * inf in forward or backward).
+_MASKED_LOGIT = -1e9
+# Elements per chunk of the angle kernel (~1 MiB of fp32): small enough to stay in cache.
+DEFAULT_CHUNK_ELEMS = 1 << 18
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def relation_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for half/bfloat16/fp32 inputs, fp64 kept (tests compare in fp64)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@contextlib.contextmanager
+def full_precision(device: torch.device) -> Iterator[None]:
+    """Disable autocast so relations are computed in fp32 even inside a bf16/fp16 training step."""
+    with torch.autocast(device_type=device.type, enabled=False):
+        yield
+
+
+def _tol(dtype: torch.dtype) -> float:
+    """Relative size below which a Gram-computed squared distance is rounding noise."""
+    return 32.0 * torch.finfo(dtype).eps
+
+
+def _tiny(dtype: torch.dtype) -> float:
+    return math.sqrt(torch.finfo(dtype).tiny)
+
+
+def center(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` (P, n, d) minus the mean of each set's valid points; invalid points set to 0.
+
+    Uses ``where`` rather than multiplying by the mask, so whatever padding holds (even inf/NaN)
+    cannot leak into the relations.
+    """
+    m = mask.bool().unsqueeze(-1)
+    x = torch.where(m, x, torch.zeros_like(x))
+    mean = x.sum(-2, keepdim=True) / m.sum(-2, keepdim=True).clamp_min(1).to(x.dtype)
+    return torch.where(m, x - mean, torch.zeros_like(x))
+
+
+def gram(x: torch.Tensor) -> torch.Tensor:
+    """(P, n, d) -> (P, n, n) inner products."""
+    return x @ x.transpose(-1, -2)
+
+
+def _safe_rsqrt(v: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """1/sqrt(v) where ``ok`` else 0, with finite gradients everywhere."""
+    return torch.where(ok, torch.rsqrt(torch.where(ok, v, torch.ones_like(v))), torch.zeros_like(v))
+
+
+def _safe_sqrt(v: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """sqrt(v) where ``ok`` else 0, with finite gradients everywhere."""
+    return torch.where(ok, torch.sqrt(torch.where(ok, v, torch.ones_like(v))), torch.zeros_like(v))
+
+
+def pair_mask(mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """(P, n) validity -> (P, n, n): both points valid, i != j, and |i - j| <= window if given."""
+    n = mask.shape[-1]
+    ar = torch.arange(n, device=mask.device)
+    off = (ar[:, None] - ar[None, :]).abs()
+    keep = off > 0
+    if window is not None:
+        keep = keep & (off <= window)
+    m = mask.bool()
+    return m[..., :, None] & m[..., None, :] & keep
+
+
+# ------------------------------------------------------------------------------- pair-wise relation
+
+def pair_relation(
+    x: torch.Tensor, mask: torch.Tensor, phi: str = "l2", normalize: bool = False, window: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pair relation matrix of each point set and the mask of the pairs that count.
+
+    x: (P, n, d); mask: (P, n). Returns (rel (P, n, n), valid (P, n, n) bool).
+    phi ``l2``: Euclidean distance ||r_i - r_j||; with ``normalize`` divided by the set's mean
+    distance over its valid pairs (scale invariant, as in relational KD).
+    phi ``cosine``: cosine similarity <r_i, r_j> / (||r_i|| ||r_j||) (0 for a zero vector).
+    Entries outside ``valid`` are 0.
+    """
+    if phi not in PHIS:
+        raise ValueError(f"pair relation phi='{phi}' must be one of {PHIS}")
+    if normalize and phi != "l2":
+        raise ValueError("normalize=true applies to distances (phi=l2), not to cosine similarities")
+    dt = relation_dtype(x)
+    with full_precision(x.device):
+        x = x.to(dt)
+        valid = pair_mask(mask, window)
+        if phi == "l2":
+            g = gram(center(x, mask))
+            d = g.diagonal(dim1=-2, dim2=-1)
+            s = d[..., :, None] + d[..., None, :]
+            sq = s - 2.0 * g
+            ok = valid & (sq > _tol(dt) * s + _tiny(dt))
+            rel = _safe_sqrt(sq, ok)
+            if normalize:
+                cnt = valid.sum((-1, -2)).clamp_min(1).to(dt)
+                mean = rel.sum((-1, -2)) / cnt
+                rel = rel / mean.clamp_min(_tiny(dt))[..., None, None]
+        else:
+            x = torch.where(mask.bool().unsqueeze(-1), x, torch.zeros_like(x))
+            g = gram(x)
+            d = g.diagonal(dim1=-2, dim2=-1)
+            inv = _safe_rsqrt(d, d > _tiny(dt))
+            rel = (g * inv[..., :, None] * inv[..., None, :]).clamp(-1.0, 1.0)
+            rel = torch.where(valid, rel, torch.zeros_like(rel))
+    return rel, valid
+
+
+def _match(rs: torch.Tensor, rt: torch.Tensor, valid: torch.Tensor, loss: str, huber_beta: float) -> torch.Tensor:
+    """Mean matching loss between relation tensors (..., m) over ``valid`` (rows = last dim for kl)."""
+    if loss not in LOSSES:
+        raise ValueError(f"matching loss '{loss}' must be one of {LOSSES}")
+    if loss == "kl":
+        ls = F.log_softmax(rs.masked_fill(~valid, _MASKED_LOGIT), dim=-1)
+        lt = F.log_softmax(rt.masked_fill(~valid, _MASKED_LOGIT), dim=-1)
+        rows = valid.any(-1)
+        kl = (lt.exp() * (lt - ls)).sum(-1)
+        return (kl * rows).sum() / rows.sum().clamp_min(1)
+    diff = torch.where(valid, rs - rt, torch.zeros_like(rs))
+    if loss == "mse":
+        err = diff * diff
+    elif loss == "l1":
+        err = diff.abs()
+    else:
+        err = F.smooth_l1_loss(diff, torch.zeros_like(diff), reduction="none", beta=huber_beta)
+    return err.sum() / valid.sum().clamp_min(1)
+
+
+def pair_loss(
+    xs: torch.Tensor,
+    xt: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    phi: str = "l2",
+    normalize: bool = False,
+    loss: str = "mse",
+    window: int | None = None,
+    huber_beta: float = 1.0,
+) -> torch.Tensor:
+    """Matching loss between the student's and the teacher's pair relations (see module doc).
+
+    xs (P, n, ds) student points, xt (P, n, dt) teacher points, mask (P, n). Scalar, mean over the
+    batch's valid pairs (``kl``: over its valid rows).
+    """
+    with full_precision(xs.device):
+        rs, valid = pair_relation(xs, mask, phi, normalize, window)
+        with torch.no_grad():
+            rt, _ = pair_relation(xt, mask, phi, normalize, window)
+        return _match(rs, rt.to(rs.dtype), valid, loss, huber_beta)
+
+
+# ----------------------------------------------------------------------------- triple-wise (angles)
+
+def _angle_layout(n: int, window: int | None, device: torch.device) -> tuple[torch.Tensor | None, int]:
+    """Neighbour slots of each vertex: (idx (n, w) token index of slot a of vertex j, w).
+
+    ``idx`` is None for the full layout (slot a = token a, w = n). A window whose 2δ+1 slots would
+    not be fewer than n uses the full layout with a band mask instead.
+    """
+    if window is None or 2 * window + 1 >= n:
+        return None, n
+    w = 2 * window + 1
+    idx = torch.arange(n, device=device)[:, None] + torch.arange(-window, window + 1, device=device)[None, :]
+    return idx, w
+
+
+def angle_pieces(
+    g: torch.Tensor, mask: torch.Tensor, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per vertex j and neighbour slot a, what the angles at j need (differentiable in ``g``).
+
+    g: (P, n, n) Gram matrix of centred points; mask (P, n). Returns, each (P, n, w):
+    c[j, a] = G_jj / 2 - G_j,a  (so <r_a - r_j, r_b - r_j> = G_ab + c_a + c_b),
+    inv[j, a] = 1 / ||r_a - r_j|| for a valid, non-degenerate neighbour, else 0,
+    valid[j, a] (bool): the neighbour slot counts (index-wise; degenerate geometry still counts).
+    """
+    P, n, _ = g.shape
+    dt = g.dtype
+    idx, w = _angle_layout(n, window, g.device)
+    d = g.diagonal(dim1=-2, dim2=-1)
+    m = mask.bool()
+    ar = torch.arange(n, device=g.device)
+    if idx is None:
+        gj = g
+        h = d[:, None, :].expand(P, n, n)
+        valid = m[:, :, None] & m[:, None, :] & (ar[:, None] != ar[None, :])
+        if window is not None:
+            valid = valid & ((ar[:, None] - ar[None, :]).abs() <= window)
+    else:
+        inside = (idx >= 0) & (idx < n) & (idx != ar[:, None])
+        idc = idx.clamp(0, n - 1)
+        gj = g.gather(2, idc.expand(P, n, w))
+        h = d[:, idc]
+        valid = m[:, :, None] & m[:, idc] & inside
+    s = d[:, :, None] + h
+    sq = s - 2.0 * gj
+    ok = valid & (sq > _tol(dt) * s + _tiny(dt))
+    inv = _safe_rsqrt(sq, ok)
+    c = 0.5 * d[:, :, None] - gj
+    return c, inv, valid
+
+
+def _chunks(P: int, n: int, w: int, chunk_elems: int) -> Iterator[tuple[int, int, int, int]]:
+    """(p0, p1, j0, j1) blocks of (point set, vertex) whose (pc, jc, w, w) slab has ~chunk_elems."""
+    per_vertex = w * w
+    v = max(1, chunk_elems // per_vertex)
+    if v >= n:
+        pc = max(1, v // n)
+        for p0 in range(0, P, pc):
+            yield p0, min(P, p0 + pc), 0, n
+    else:
+        for p0 in range(P):
+            for j0 in range(0, n, v):
+                yield p0, p0 + 1, j0, min(n, j0 + v)
+
+
+def _cosines(H: torch.Tensor, c: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos[., j, a, b] = inv_a inv_b (H_ab + c_a + c_b), clamped to [-1, 1]; also the inv_a inv_b product."""
+    cos = H + c[..., :, None]
+    cos += c[..., None, :]
+    scale = inv[..., :, None] * inv[..., None, :]
+    cos *= scale
+    cos.clamp_(-1.0, 1.0)
+    return cos, scale
+
+
+def _elementwise_grad(
+    cs: torch.Tensor, ct: torch.Tensor, valid: torch.Tensor, loss: str, beta: float, want_grad: bool
+) -> tuple[float, torch.Tensor | None, bool]:
+    """Summed loss of one chunk and dLoss/dcos_s (up to a constant folded in later); symmetric flag."""
+    if loss == "kl":
+        vb = valid[..., None, :].expand_as(cs)
+        ls = F.log_softmax(cs.masked_fill(~vb, _MASKED_LOGIT), dim=-1)
+        lt = F.log_softmax(ct.masked_fill(~vb, _MASKED_LOGIT), dim=-1)
+        pt = lt.exp()
+        rows = valid.to(cs.dtype)
+        val = float(((pt * (lt - ls)).sum(-1) * rows).sum())
+        e = (ls.exp() - pt) * rows[..., :, None] if want_grad else None
+        return val, e, False
+    diff = torch.sub(cs, ct, out=ct)  # ct is not needed any more
+    if loss == "mse":
+        flat = diff.reshape(-1)
+        return float(torch.dot(flat, flat)), diff if want_grad else None, True
+    if loss == "l1":
+        return float(diff.abs().sum()), diff.sign() if want_grad else None, True
+    val = float(F.smooth_l1_loss(diff, torch.zeros_like(diff), reduction="sum", beta=beta))
+    return val, (diff.clamp(-beta, beta) / beta) if want_grad else None, True
+
+
+class _AngleLoss(torch.autograd.Function):
+    """Sum over valid triples of LD(psi_s, psi_t), chunked over vertices, gradient fused into forward.
+
+    Inputs are the student's Gram matrix and its per-vertex pieces (``angle_pieces``) and the
+    teacher's (no gradient). The forward sweeps (point set, vertex) chunks and, when a gradient is
+    wanted, accumulates dL/dG, dL/dc, dL/dinv right away, so nothing of size n^3 (or n w^2) outlives
+    a chunk and the backward pass only scales the stored (P, n, n) / (P, n, w) gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, gs, c_s, inv_s, gt, c_t, inv_t, valid, window, loss, beta, chunk_elems, want):  # type: ignore[override]
+        P, n, w = c_s.shape
+        windowed = w < n
+        if windowed:
+            pad = window
+            side = n + 2 * pad
+            hs_src, ht_src = (F.pad(g, (pad, pad, pad, pad)) for g in (gs, gt))
+            # H[p, j, a, b] = Gpad[p, j + a, j + b]: a strided view, nothing gathered or copied.
+            stride = (side * side, side + 1, side, 1)
+            hs_all = hs_src.as_strided((P, n, w, w), stride)
+            ht_all = ht_src.as_strided((P, n, w, w), stride)
+            ar = torch.arange(w, device=gs.device)
+            flat_local = ar[:, None] * side + ar[None, :]  # (w, w) offsets from the vertex's corner
+            dg_pad = torch.zeros_like(hs_src) if want else None
+        else:
+            dg = torch.zeros_like(gs) if want else None
+        dc = torch.zeros_like(c_s) if want else None
+        dinv = torch.zeros_like(inv_s) if want else None
+        total = 0.0
+        for p0, p1, j0, j1 in _chunks(P, n, w, chunk_elems):
+            if windowed:
+                hs, ht = hs_all[p0:p1, j0:j1], ht_all[p0:p1, j0:j1]
+            else:
+                hs, ht = gs[p0:p1, None], gt[p0:p1, None]
+            cos_s, scale = _cosines(hs, c_s[p0:p1, j0:j1], inv_s[p0:p1, j0:j1])
+            cos_t, _ = _cosines(ht, c_t[p0:p1, j0:j1], inv_t[p0:p1, j0:j1])
+            val, e, sym = _elementwise_grad(cos_s, cos_t, valid[p0:p1, j0:j1], loss, beta, want)
+            total += val
+            if not want:
+                continue
+            f = e * scale  # dL/dH_ab = dL/dc.. = E_ab inv_a inv_b
+            ec = e.mul_(cos_s)  # dL/dinv_a = sum_b (E_ab + E_ba) cos_ab / inv_a
+            if sym:
+                dc[p0:p1, j0:j1] += 2.0 * f.sum(-1)
+                t = 2.0 * ec.sum(-1)
+            else:
+                dc[p0:p1, j0:j1] += f.sum(-1) + f.sum(-2)
+                t = ec.sum(-1) + ec.sum(-2)
+            ich = inv_s[p0:p1, j0:j1]
+            dinv[p0:p1, j0:j1] += t * torch.where(ich > 0, ich.reciprocal(), torch.zeros_like(ich))
+            if windowed:
+                corner = torch.arange(j0, j1, device=gs.device) * (side + 1)
+                index = (corner[:, None, None] + flat_local[None]).reshape(-1)
+                dg_pad[p0:p1].view(p1 - p0, -1).index_add_(1, index, f.reshape(p1 - p0, -1))
+            else:
+                dg[p0:p1] += f.sum(1)
+        if want:
+            if windowed:
+                dg = dg_pad[:, window:window + n, window:window + n].contiguous()
+            scale_mse = 2.0 if loss == "mse" else 1.0
+            ctx.save_for_backward(dg * scale_mse, dc * scale_mse, dinv * scale_mse)
+        return gs.new_tensor(total)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        dg, dc, dinv = ctx.saved_tensors
+        return (grad_out * dg, grad_out * dc, grad_out * dinv) + (None,) * 9
+
+
+def angle_loss(
+    xs: torch.Tensor,
+    xt: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss: str = "mse",
+    window: int | None = None,
+    huber_beta: float = 1.0,
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+) -> torch.Tensor:
+    """Matching loss between the student's and the teacher's angles psi (see module doc).
+
+    xs (P, n, ds), xt (P, n, dt), mask (P, n). ``window`` δ: only neighbours within δ of the vertex
+    (gathered as (n, 2δ+1, 2δ+1) slabs); None: all n^2 pairs per vertex, processed in chunks of
+    vertices. Peak extra memory is O(P n^2 + chunk_elems) either way. Scalar: mean over the batch's
+    valid triples (``kl``: over its valid (vertex, point) rows, softmax over the third point).
+    """
+    if loss not in LOSSES:
+        raise ValueError(f"matching loss '{loss}' must be one of {LOSSES}")
+    if window is not None and window < 1:
+        raise ValueError(f"window={window} must be >= 1 or null")
+    dt = relation_dtype(xs)
+    with full_precision(xs.device):
+        gs = gram(center(xs.to(dt), mask))
+        c_s, inv_s, valid = angle_pieces(gs, mask, window)
+        with torch.no_grad():
+            gt = gram(center(xt.to(dt), mask))
+            c_t, inv_t, _ = angle_pieces(gt, mask, window)
+        cnt = valid.sum(-1)
+        count = cnt.sum() if loss == "kl" else (cnt * cnt).sum()
+        window_eff = window if c_s.shape[-1] < c_s.shape[1] else None
+        want = torch.is_grad_enabled() and gs.requires_grad
+        total = _AngleLoss.apply(gs, c_s, inv_s, gt, c_t, inv_t, valid, window_eff, loss, float(huber_beta),
+                                 int(chunk_elems), want)
+        return total / count.clamp_min(1).to(dt)
+
+
+def angle_matrix(x: torch.Tensor, mask: torch.Tensor, vertex: int) -> torch.Tensor:
+    """cos of the angle at ``vertex`` for every pair of points: (P, n, d) -> (P, n, n) (for plots).
+
+    Entries with an invalid or degenerate point are 0.
+    """
+    dt = relation_dtype(x)
+    with torch.no_grad(), full_precision(x.device):
+        g = gram(center(x.to(dt), mask))
+        c, inv, _ = angle_pieces(g, mask, None)
+        cos, _ = _cosines(g, c[:, vertex], inv[:, vertex])
+    return cos
