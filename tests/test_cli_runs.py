@@ -34,13 +34,13 @@ def test_multirun_trains_the_teacher_once(tmp_path: Path) -> None:
 
 
 def test_quickstart_with_the_real_pretrained_teacher(tmp_path: Path) -> None:
-    """The quickstart preset, smaller: all-MiniLM-L6-v2 learns the toy task; the student improves on chance."""
-    r = kdrun("experiment=quickstart", "logger=none", "task.toy.num_train=400", "task.toy.num_validation=200",
-              "train.epochs=1", "teacher.finetune.epochs=1", f"cache_dir={tmp_path}/cache",
+    """The quickstart preset: all-MiniLM-L6-v2 learns the toy task; the 2-layer student is well above chance."""
+    r = kdrun("experiment=quickstart", "logger=none", "task.toy.num_validation=200",
+              f"cache_dir={tmp_path}/cache",
               f"hydra.run.dir={tmp_path}/run")
     res = json.loads((tmp_path / "run" / "results.json").read_text())
     assert res["teacher"]["metrics"]["validation"]["accuracy"] > 0.8
-    assert res["student"]["metrics"]["validation"]["accuracy"] > 0.6
+    assert res["student"]["metrics"]["validation"]["accuracy"] > 0.7
     assert res["student"]["info"]["layers"] == 2 and res["teacher"]["info"]["hidden"] == 384
     assert "teacher  validation  accuracy" in r.stdout
 
