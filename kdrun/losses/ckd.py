@@ -31,18 +31,27 @@ from kdrun.losses.relations import LOSSES, PHIS, angle_loss, pair_loss
 
 # ------------------------------------------------------------------------------------------ checks
 
+# Where objective=ckd's YAML takes each term parameter from, for error messages.
+_SOURCE = {"loss": "pair_loss / angle_loss", "phi": "pair_phi", "normalize": "pair_normalize",
+           "window": "window_pair / window_angle", "huber_beta": "huber_beta"}
+
+
+def _bad(param: str, what: str) -> ValueError:
+    return ValueError(f"params.{param}: {what} (with objective=ckd, set objective.params.{_SOURCE[param]})")
+
+
 def _check_common(loss: str, huber_beta: float, window=None, phi: str | None = None,
                   normalize: bool = False) -> None:
     if loss not in LOSSES:
-        raise ValueError(f"params.loss='{loss}' must be one of {', '.join(LOSSES)}")
-    if not float(huber_beta) > 0:
-        raise ValueError(f"params.huber_beta={huber_beta} must be > 0")
+        raise _bad("loss", f"'{loss}' is not one of {', '.join(LOSSES)}")
+    if isinstance(huber_beta, bool) or not isinstance(huber_beta, (int, float)) or not huber_beta > 0:
+        raise _bad("huber_beta", f"{huber_beta!r} must be a number > 0")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"params.window={window!r} must be a positive integer (tokens each side) or null (all)")
+        raise _bad("window", f"{window!r} must be a positive integer (tokens on each side) or null (all)")
     if phi is not None and phi not in PHIS:
-        raise ValueError(f"params.phi='{phi}' must be one of {', '.join(PHIS)}")
+        raise _bad("phi", f"'{phi}' is not one of {', '.join(PHIS)}")
     if normalize and phi != "l2":
-        raise ValueError("params.normalize=true divides distances by their mean; it needs phi=l2, not cosine")
+        raise _bad("normalize", "true divides distances by their mean, so it needs phi=l2, not cosine")
 
 
 def _check_ltr(layer_pairs) -> None:

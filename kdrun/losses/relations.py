@@ -23,10 +23,11 @@ Conventions (documented once, used by every loss here):
   Triples (i, j, k) have vertex j, i != j, k != j (i == k is allowed: its angle is 0, cos 1), all
   valid, and |i - j| <= window, |k - j| <= window. Padding and out-of-range neighbours never count
   (no clamped duplicates).
-- Degenerate geometry: a pair closer than ~sqrt(32 eps) of the points' norms (after centring) has
-  distance 0; an angle whose vertex coincides with one of its points has cosine 0 (that triple adds
-  0 when the teacher's is degenerate too). Gradients stay finite: no sqrt or division is ever
-  evaluated at 0.
+- Degenerate geometry: two points whose squared distance is below 32 eps (|r_i|^2 + |r_j|^2)
+  (after centring; in fp32 closer than ~0.3% of their norms, where the Gram identity is rounding
+  noise) have distance 0; an angle whose vertex coincides with one of its points has cosine 0 (the
+  triple adds 0 when the teacher's is degenerate too). Gradients stay finite: no sqrt or division
+  is ever evaluated at 0.
 - Matching losses ``mse`` (squared error), ``l1``, ``huber`` (smooth L1 with ``huber_beta``) are
   averaged over all valid pairs / triples of the whole batch (the sum of errors divided by the
   number of valid entries, as the official code does for angles). ``kl`` is
@@ -49,8 +50,9 @@ LOSSES = ("mse", "l1", "huber", "kl")
 # Row entries outside the valid set get this logit before a softmax: exp() underflows to exactly 0
 # while everything stays finite (so no 0 * inf in forward or backward).
 _MASKED_LOGIT = -1e9
-# Elements per chunk of the angle kernel (~1 MiB of fp32): small enough to stay in cache.
-DEFAULT_CHUNK_ELEMS = 1 << 18
+# Elements per chunk of the angle kernel: ~1 MiB of fp32 on CPU (stays in cache), 64 MiB on GPUs
+# (enough work per kernel launch). Peak extra memory is a handful of chunks.
+CHUNK_ELEMS = {"cpu": 1 << 18, "cuda": 1 << 24}
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -275,26 +277,29 @@ def _cosines(H: torch.Tensor, c: torch.Tensor, inv: torch.Tensor) -> tuple[torch
     return cos, scale
 
 
-def _elementwise_grad(
+def _chunk_loss(
     cs: torch.Tensor, ct: torch.Tensor, valid: torch.Tensor, loss: str, beta: float, want_grad: bool
-) -> tuple[float, torch.Tensor | None, bool]:
-    """Summed loss of one chunk and dLoss/dcos_s (up to a constant folded in later); symmetric flag."""
+) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """Summed loss of one chunk, E = dLoss/dcos_s (mse: half of it), and whether E is symmetric.
+
+    ``ct`` is overwritten.
+    """
     if loss == "kl":
         vb = valid[..., None, :].expand_as(cs)
         ls = F.log_softmax(cs.masked_fill(~vb, _MASKED_LOGIT), dim=-1)
         lt = F.log_softmax(ct.masked_fill(~vb, _MASKED_LOGIT), dim=-1)
         pt = lt.exp()
         rows = valid.to(cs.dtype)
-        val = float(((pt * (lt - ls)).sum(-1) * rows).sum())
+        val = ((pt * (lt - ls)).sum(-1) * rows).sum()
         e = (ls.exp() - pt) * rows[..., :, None] if want_grad else None
         return val, e, False
     diff = torch.sub(cs, ct, out=ct)  # ct is not needed any more
     if loss == "mse":
         flat = diff.reshape(-1)
-        return float(torch.dot(flat, flat)), diff if want_grad else None, True
+        return torch.dot(flat, flat), diff if want_grad else None, True
     if loss == "l1":
-        return float(diff.abs().sum()), diff.sign() if want_grad else None, True
-    val = float(F.smooth_l1_loss(diff, torch.zeros_like(diff), reduction="sum", beta=beta))
+        return diff.abs().sum(), diff.sign() if want_grad else None, True
+    val = F.smooth_l1_loss(diff, torch.zeros_like(diff), reduction="sum", beta=beta)
     return val, (diff.clamp(-beta, beta) / beta) if want_grad else None, True
 
 
@@ -326,7 +331,7 @@ class _AngleLoss(torch.autograd.Function):
             dg = torch.zeros_like(gs) if want else None
         dc = torch.zeros_like(c_s) if want else None
         dinv = torch.zeros_like(inv_s) if want else None
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=gs.device)  # no host sync per chunk
         for p0, p1, j0, j1 in _chunks(P, n, w, chunk_elems):
             if windowed:
                 hs, ht = hs_all[p0:p1, j0:j1], ht_all[p0:p1, j0:j1]
@@ -334,7 +339,7 @@ class _AngleLoss(torch.autograd.Function):
                 hs, ht = gs[p0:p1, None], gt[p0:p1, None]
             cos_s, scale = _cosines(hs, c_s[p0:p1, j0:j1], inv_s[p0:p1, j0:j1])
             cos_t, _ = _cosines(ht, c_t[p0:p1, j0:j1], inv_t[p0:p1, j0:j1])
-            val, e, sym = _elementwise_grad(cos_s, cos_t, valid[p0:p1, j0:j1], loss, beta, want)
+            val, e, sym = _chunk_loss(cos_s, cos_t, valid[p0:p1, j0:j1], loss, beta, want)
             total += val
             if not want:
                 continue
@@ -359,7 +364,7 @@ class _AngleLoss(torch.autograd.Function):
                 dg = dg_pad[:, window:window + n, window:window + n].contiguous()
             scale_mse = 2.0 if loss == "mse" else 1.0
             ctx.save_for_backward(dg * scale_mse, dc * scale_mse, dinv * scale_mse)
-        return gs.new_tensor(total)
+        return total.to(gs.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
@@ -375,14 +380,15 @@ def angle_loss(
     loss: str = "mse",
     window: int | None = None,
     huber_beta: float = 1.0,
-    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    chunk_elems: int | None = None,
 ) -> torch.Tensor:
     """Matching loss between the student's and the teacher's angles psi (see module doc).
 
     xs (P, n, ds), xt (P, n, dt), mask (P, n). ``window`` δ: only neighbours within δ of the vertex
-    (gathered as (n, 2δ+1, 2δ+1) slabs); None: all n^2 pairs per vertex, processed in chunks of
-    vertices. Peak extra memory is O(P n^2 + chunk_elems) either way. Scalar: mean over the batch's
-    valid triples (``kl``: over its valid (vertex, point) rows, softmax over the third point).
+    (read as (n, 2δ+1, 2δ+1) slabs of a strided view of the Gram matrix); None: all n^2 pairs per
+    vertex. Either way in chunks of vertices: peak extra memory is O(P n^2 + chunk_elems)
+    (``chunk_elems`` None: a per-device default). Scalar: mean over the batch's valid triples
+    (``kl``: over its valid (vertex, point) rows, softmax over the third point).
     """
     if loss not in LOSSES:
         raise ValueError(f"matching loss '{loss}' must be one of {LOSSES}")
@@ -400,7 +406,7 @@ def angle_loss(
         window_eff = window if c_s.shape[-1] < c_s.shape[1] else None
         want = torch.is_grad_enabled() and gs.requires_grad
         total = _AngleLoss.apply(gs, c_s, inv_s, gt, c_t, inv_t, valid, window_eff, loss, float(huber_beta),
-                                 int(chunk_elems), want)
+                                 int(chunk_elems or CHUNK_ELEMS.get(xs.device.type, CHUNK_ELEMS["cuda"])), want)
         return total / count.clamp_min(1).to(dt)
 
 
