@@ -112,6 +112,17 @@ def data_fingerprint(dsd) -> str:
     return h.hexdigest()[:16]
 
 
+def _start_over(run_dir: Path) -> None:
+    """resume=false in a used run directory: keep the old result as results.previous.json, drop the
+    old checkpoints and metrics log so nothing of the old run mixes into the new one."""
+    import shutil
+
+    if (run_dir / "results.json").exists():
+        os.replace(run_dir / "results.json", run_dir / "results.previous.json")
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+
+
 def run_config_hash(resolved: dict[str, Any]) -> str:
     """Identity of a run's configuration for its checkpoints: everything that changes the result
     (tracking settings, ``resume`` and the ``train.stop_after_steps`` testing aid do not)."""
@@ -203,6 +214,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     config_hash = run_config_hash(resolved)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not cfg.resume:
+        _start_over(run_dir)
     seed_everything(tcfg.seed)
     accelerator = make_accelerator(tcfg)
     precision = accelerator.mixed_precision

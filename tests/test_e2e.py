@@ -101,6 +101,11 @@ def test_completed_run_is_not_redone(run_cfg, tmp_path: Path) -> None:
     again = run(run_cfg("objective=finetune"), rd)
     assert again["student"]["metrics"] == first["student"]["metrics"]
     assert (rd / "results.json").stat().st_mtime == mtime
+    n_logged = len((rd / "metrics.jsonl").read_text().splitlines())
+    redo = run(run_cfg("objective=finetune", "resume=false"), rd)  # redone from scratch, same result
+    assert redo["student"]["metrics"] == first["student"]["metrics"]
+    assert (rd / "results.previous.json").exists()
+    assert len((rd / "metrics.jsonl").read_text().splitlines()) == n_logged  # a fresh log, not appended
 
 
 def test_nan_loss_stops_naming_term_and_keeps_checkpoint(run_cfg, tmp_path: Path) -> None:
