@@ -162,6 +162,8 @@ def _fmt(r: dict, key: str, fmt: str) -> str:
         return "OOM"
     if r.get("timeout"):
         return "timeout"
+    if r.get("skipped"):
+        return "-"
     return format(r[key], fmt)
 
 
@@ -179,6 +181,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads per case (0 = torch's default)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per case (same process); the fastest is reported")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--impls", default="kdrun,naive", help="which to run (kdrun,naive)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -186,6 +189,7 @@ def main() -> None:
         print(json.dumps(worker(json.loads(args._worker))), flush=True)
         return
 
+    impls = set(args.impls.split(","))
     base = {"device": args.device, "n": args.n, "layers": args.layers, "d_teacher": args.teacher_dim,
             "threads": args.threads, "repeat": args.repeat}
     rows = []
@@ -194,8 +198,10 @@ def main() -> None:
             batches = [args.batch]
             for batch in batches:
                 spec = {**base, "batch": batch, "d_student": ds, "window": window}
-                ours = run_case({**spec, "impl": "kdrun"}, args.timeout)
-                naive = run_case({**spec, "impl": "naive", "cap_gb": args.naive_cap_gb}, args.timeout)
+                skipped = {"skipped": True}
+                ours = run_case({**spec, "impl": "kdrun"}, args.timeout) if "kdrun" in impls else skipped
+                naive = (run_case({**spec, "impl": "naive", "cap_gb": args.naive_cap_gb}, args.timeout)
+                         if "naive" in impls else skipped)
                 rows.append({"d_student": ds, "window": window, "batch": batch, "kdrun": ours, "naive": naive})
                 if (naive.get("oom") or naive.get("timeout")) and batch == args.batch and args.small_batch < batch:
                     batches.append(args.small_batch)
