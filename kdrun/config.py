@@ -152,14 +152,51 @@ class ObjectiveConfig:
 
 @dataclass
 class MappingConfig:
+    """Which teacher representation each student layer learns from (see kdrun/mapping.py)."""
+
     name: str = "uniform"
     include_embeddings: bool = True
+    # Teacher layers a student layer may draw from: ``all``, ``no`` (non-overlapping buckets) or
+    # ``po`` (partially overlapping buckets), for the strategies that combine several layers.
+    buckets: str = "all"
+    # ``learnable`` map: initial θ (``uniform`` or ``last``) and its own learning rate (null = stage lr).
+    init: str = "uniform"
+    lr: Optional[float] = None
     params: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class AugmentationConfig:
+    """TinyBERT-style data augmentation (``augmentation=tinybert``); ``none`` trains on the task data."""
+
     name: str = "none"
+    # Masked language model proposing candidates for single-WordPiece words (hub id, path or pkg:).
+    mlm: str = "bert-base-uncased"
+    # GloVe-format text file for multi-piece words, ``mlm_embeddings`` (neighbours in the MLM's
+    # input embeddings; a documented deviation) or null (multi-piece words kept as they are).
+    word_vectors: Optional[str] = None
+    max_vectors: int = 100000
+    # Candidates per word (M), replacement probability (p_t), augmented copies per sentence (N).
+    m: int = 15
+    p_t: float = 0.4
+    n: int = 20
+    seed: int = 0
+    batch_size: int = 256
+    num_proc: Optional[int] = None
+    # Augmented rows have no gold label; true copies the source row's label to each variant.
+    copy_labels: bool = False
+    params: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SpansConfig:
+    """Phrase and word spans for MGSKD (CoNLL-2000-trained NLTK chunker)."""
+
+    # Directory with CoNLL-2000 train.txt / test.txt; null = NLTK's conll2000 corpus when installed.
+    corpus_dir: Optional[str] = None
+    chunk_types: List[str] = field(default_factory=lambda: ["NP", "VP", "PP"])
+    # Whole words split into at least this many WordPieces are spans too.
+    min_word_pieces: int = 2
     params: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -212,6 +249,7 @@ class KdrunConfig:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     mapping: MappingConfig = field(default_factory=MappingConfig)
     augmentation: AugmentationConfig = field(default_factory=AugmentationConfig)
+    spans: SpansConfig = field(default_factory=SpansConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sweep: Dict[str, Any] = field(default_factory=dict)

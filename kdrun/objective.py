@@ -142,6 +142,21 @@ class Objective(nn.Module):
                 params.extend(p for p in self.term_modules[key].parameters() if p.requires_grad)
         return params
 
+    def log_values(self, stage: int) -> dict[str, float]:
+        """Scalars the stage's learnable modules want logged (e.g. learnable layer-map weights).
+
+        A term module exposes them with a ``log_values() -> dict[str, float]`` method; keys are
+        prefixed with the term's key. The trainer logs them with the training losses.
+        """
+        plan = self.plans[stage]
+        out: dict[str, float] = {}
+        for term in plan.terms:
+            module = self.term_modules[self._module_key(plan, term)] if self._module_key(plan, term) in \
+                self.term_modules else None
+            if module is not None and hasattr(module, "log_values"):
+                out.update({f"{term.key}/{k}": float(v) for k, v in module.log_values().items()})
+        return out
+
     def forward(
         self, stage: int, student: Features, teacher: Features | None, batch: dict[str, Any], step: int = 0
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -345,6 +345,7 @@ def run_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from: 
                 logs.update({"train/lr": scheduler.get_last_lr()[0], "train/examples_per_s": ex_log / dt,
                              "train/tokens_per_s": tok_log / dt, "stage": plan.name,
                              "epoch": state.epoch + state.batch_in_epoch / batches_per_epoch})
+                logs.update({f"objective/{k}": v for k, v in parts.objective.log_values(plan.index).items()})
                 parts.tracker.log(logs, step=state.global_step)
                 pbar.set_postfix(loss=f"{logs['train/loss']:.4f}")
                 running, n_running, t_log, ex_log, tok_log = {}, 0, time.perf_counter(), 0, 0

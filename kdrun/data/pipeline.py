@@ -52,6 +52,10 @@ class LengthGroupedBatchSampler(Sampler[list[int]]):
 
     ``group_by_length=False`` gives plain shuffled batches. ``set_epoch`` must be called before each
     epoch; ``start_batch`` skips the first batches (resume).
+
+    Data-parallel runs (``world_size`` > 1): every process builds the same global batches and keeps
+    its contiguous slice of each, so ``batch_size`` is the global batch whatever the number of
+    processes, and a resume position counts global batches.
     """
 
     def __init__(
@@ -62,7 +66,11 @@ class LengthGroupedBatchSampler(Sampler[list[int]]):
         group_by_length: bool = True,
         shuffle: bool = True,
         mega_batch_mult: int = 50,
+        rank: int = 0,
+        world_size: int = 1,
     ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
         self.lengths = list(lengths)
         self.batch_size = batch_size
         self.seed = seed
@@ -71,12 +79,20 @@ class LengthGroupedBatchSampler(Sampler[list[int]]):
         self.mega = mega_batch_mult * batch_size
         self.epoch = 0
         self.start_batch = 0
+        self.rank, self.world_size = rank, world_size
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.epoch = epoch
         self.start_batch = start_batch
 
     def batches(self) -> list[list[int]]:
+        """The global batches of the current epoch, in order."""
+        out = self._batches()
+        if self.world_size > 1 and self.shuffle:  # in training every process needs rows in each step
+            out = [b for b in out if len(b) >= self.world_size]
+        return out
+
+    def _batches(self) -> list[list[int]]:
         n = len(self.lengths)
         idx = list(range(n))
         rng = random.Random(self.seed * 1_000_003 + self.epoch)
@@ -94,8 +110,18 @@ class LengthGroupedBatchSampler(Sampler[list[int]]):
         rng.shuffle(batches)
         return batches
 
+    def shard(self, batch: list[int]) -> list[int]:
+        """This process's contiguous slice of a global batch (sizes differ by at most one)."""
+        if self.world_size == 1:
+            return batch
+        n, w, r = len(batch), self.world_size, self.rank
+        return batch[r * n // w : (r + 1) * n // w]
+
     def __iter__(self) -> Iterator[list[int]]:
-        yield from self.batches()[self.start_batch :]
+        for batch in self.batches()[self.start_batch :]:
+            mine = self.shard(batch)
+            if mine:  # (evaluation: a short last batch may leave a process nothing)
+                yield mine
 
     def __len__(self) -> int:
         return (len(self.lengths) + self.batch_size - 1) // self.batch_size - self.start_batch
@@ -136,9 +162,12 @@ def make_loader(
     train: bool,
     group_by_length: bool = True,
     num_workers: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> tuple[DataLoader, LengthGroupedBatchSampler]:
     sampler = LengthGroupedBatchSampler(
-        ds["length"], batch_size, seed, group_by_length=group_by_length, shuffle=train
+        ds["length"], batch_size, seed, group_by_length=group_by_length, shuffle=train, rank=rank,
+        world_size=world_size,
     )
     cols = [c for c in (*TOKEN_COLUMNS, "labels", "idx") if c in ds.column_names]
     # A private generator: creating the loader's iterator must not draw from the global RNG, or

@@ -1,0 +1,1 @@
+"""TinyBERT-style data augmentation (masked-LM and word-vector candidates), cached as datasets."""

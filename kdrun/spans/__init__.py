@@ -1,0 +1,1 @@
+"""Word and phrase spans for MGSKD: a CoNLL-2000-trained NLTK chunker aligned to WordPieces."""
