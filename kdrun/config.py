@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import II, MISSING, OmegaConf
 
 
 @dataclass
@@ -214,7 +214,8 @@ class LoggerConfig:
 
 @dataclass
 class TrainConfig:
-    seed: int = 42
+    # The top-level ``seed`` (``kdrun seed=1``; sweeps over seeds use it).
+    seed: int = II("seed")
     # When set, every stage of the objective trains this many epochs (teacher: teacher.finetune.epochs).
     epochs: Optional[float] = None
     # When set, every stage of the objective uses this learning rate.
@@ -243,6 +244,8 @@ class TrainConfig:
 
 @dataclass
 class KdrunConfig:
+    # Seed of the run (model init, data order, dropout); ``train.seed`` follows it.
+    seed: int = 42
     task: TaskConfig = field(default_factory=TaskConfig)
     teacher: ModelConfig = field(default_factory=ModelConfig)
     student: ModelConfig = field(default_factory=ModelConfig)
@@ -279,10 +282,33 @@ def _short_hash(text: str) -> str:
     return hashlib.sha256(str(text).encode()).hexdigest()[:10]
 
 
+# Overrides that do not change what a sweep computes (they are also left out of job directory names).
+NON_IDENTITY_KEYS = ("resume", "logger", "train.device", "hydra.", "launcher")
+
+
+def sweep_name(overrides: list[str]) -> str:
+    """Name of a multirun's directory from the command line's overrides: the experiment/task/sweep
+    choices for people and a hash of all the overrides that change results, so the same command
+    always finds the same directory (whatever the launcher or logger)."""
+    kept = sorted(o for o in overrides if not o.lstrip("+~").startswith(NON_IDENTITY_KEYS))
+    label = [o.split("=", 1)[1] for o in kept if o.split("=", 1)[0] in ("experiment", "task", "sweep")]
+    label = [v.replace(",", "+").replace("/", "_") for v in label][:3]
+    return "-".join([*label, _short_hash(" ".join(kept))])
+
+
+def _ensure_dir(path: str) -> str:
+    """Create ``path`` (for files that must exist before any job runs, like an Optuna study)."""
+    import os
+
+    os.makedirs(path, exist_ok=True)
+    return str(path)
+
+
 def register_configs() -> None:
     """Register the schema and resolvers; idempotent."""
     cs = ConfigStore.instance()
     cs.store(name="kdrun_schema", node=KdrunConfig)
-    for name, fn in (("kd.one_minus", _one_minus), ("kd.mul", _mul), ("kd.hash", _short_hash)):
+    for name, fn in (("kd.one_minus", _one_minus), ("kd.mul", _mul), ("kd.hash", _short_hash),
+                     ("kd.ensure_dir", _ensure_dir)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

@@ -145,7 +145,12 @@ def make_accelerator(train_cfg: Any):
         precision = "no"
     if cpu and precision == "fp16":
         raise ConfigError("train.precision=fp16 needs CUDA; use bf16 or fp32 on CPU")
-    return Accelerator(cpu=cpu, mixed_precision=precision,
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    # Stages train different parts of the student (an intermediate-layer stage leaves the
+    # classifier unused), so DDP must tolerate parameters without gradients; buffers are constant.
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)
+    return Accelerator(cpu=cpu, mixed_precision=precision, kwargs_handlers=[ddp],
                        gradient_accumulation_steps=train_cfg.gradient_accumulation_steps)
 
 
@@ -192,11 +197,11 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from kdrun.data.sources import load_task_data
     from kdrun.metrics import compute_task_metrics
     from kdrun.objective import Objective
-    from kdrun.teacher import finetune_plan, get_teacher, teacher_cache_key
+    from kdrun.preemption import Interrupted, PreemptionGuard
+    from kdrun.teacher import finetune_plan, get_teacher, save_model_files, teacher_cache_key
     from kdrun.tracking import Tracker
     from kdrun.trainer import (
         RunParts,
-        SimulatedInterrupt,
         TrainState,
         checkpoint_dir,
         evaluate,
@@ -214,11 +219,13 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     resolved = OmegaConf.to_container(cfg, resolve=True)
     config_hash = run_config_hash(resolved)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not cfg.resume:
-        _start_over(run_dir)
     seed_everything(tcfg.seed)
     accelerator = make_accelerator(tcfg)
     precision = accelerator.mixed_precision
+    world = accelerator.num_processes
+    if not cfg.resume and accelerator.is_main_process:
+        _start_over(run_dir)
+    accelerator.wait_for_everyone()
 
     # ---- data
     t0 = time.perf_counter()
@@ -246,11 +253,13 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     tracker = Tracker(run_dir, cfg.logger, {**resolved, "_run_id": f"{run_name}-{config_hash}"[:120]}, run_name,
                       enabled=main_proc)
 
-    def parts_for(student, teacher, objective, rd: Path, tracker_) -> RunParts:
+    def parts_for(student, teacher, objective, rd: Path, tracker_, distributed: bool = True) -> RunParts:
         return RunParts(accelerator=accelerator, student=student, teacher=teacher, objective=objective,
                         train_data=train_data, eval_data=eval_data, collator=collator, metric_fn=metric_fn,
                         main_metric=task.main_metric, train_cfg=tcfg, tracker=tracker_, run_dir=rd,
-                        config_hash=config_hash, log_every=cfg.logger.log_every_steps)
+                        config_hash=config_hash, log_every=cfg.logger.log_every_steps,
+                        rank=accelerator.process_index if distributed else 0,
+                        world_size=world if distributed else 1)
 
     # ---- teacher
     t0 = time.perf_counter()
@@ -273,17 +282,20 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 from kdrun.tracking import Tracker as _T
 
                 seed_everything(tcfg.seed)
-                model = accelerator.prepare_model(new_teacher())
+                # Whichever process takes the cache lock fine-tunes the teacher alone (the others
+                # wait for the entry), so this is never data-parallel.
+                model = accelerator.prepare_model(new_teacher()) if world == 1 else \
+                    new_teacher().to(accelerator.device)
                 plan = finetune_plan(tc.finetune)
                 objective = Objective([plan], [], task.num_labels, M.describe(model), None)
                 quiet = _T(out, cfg.logger, {}, run_name, enabled=False)
-                parts = parts_for(model, None, objective, out, quiet)
+                parts = parts_for(model, None, objective, out, quiet, distributed=False)
                 parts.train_cfg = OmegaConf.merge(tcfg, {"checkpoint_every_steps": None, "stop_after_steps": None})
                 state = TrainState()
                 print(f"[kdrun] fine-tuning the teacher ({tc.name}) on {task.name}")
                 run_stage(parts, plan, state, None)
                 finalize_best(parts)
-                accelerator.unwrap_model(model).save_pretrained(out / "model")
+                save_model_files(accelerator.unwrap_model(model), out / "model")
                 tokenizer.save_pretrained(out / "model")
                 return evaluate(parts, model)
 
@@ -350,16 +362,19 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         state = TrainState()
     resume_from = ckpt if state.global_step > 0 or state.stage > 0 else None
     try:
-        for plan in plans[state.stage:]:
-            run_stage(parts, plan, state, resume_from)
-            resume_from = None
-    except SimulatedInterrupt as e:
-        print(f"[kdrun] {e}; rerun the same command to resume")
+        with PreemptionGuard() as guard:
+            parts.guard = guard
+            for plan in plans[state.stage:]:
+                run_stage(parts, plan, state, resume_from)
+                resume_from = None
+    except Interrupted as e:
+        print(f"[kdrun] {e}", flush=True)
         tracker.finish()
         raise
     stages_s = time.perf_counter() - t0
 
     # ---- outputs
+    accelerator.wait_for_everyone()  # the main process may still be writing the best checkpoint
     finalize_best(parts)
     final_metrics = evaluate(parts, student)
     summary = {

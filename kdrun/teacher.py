@@ -80,3 +80,17 @@ def get_teacher(
     model = load_fn(str(entry / "model"))
     return model, {"cached": cached, "path": str(entry / "model"), "metrics": meta["metrics"],
                    "train_seconds": meta["train_seconds"], "key": key}
+
+
+def save_model_files(model: Any, out: Path) -> None:
+    """``save_pretrained``'s files (config.json + model.safetensors) from any process.
+
+    transformers writes nothing on a process other than rank 0 once torch.distributed is up, but in
+    a data-parallel run whichever process holds the cache lock fine-tunes and saves the teacher.
+    """
+    from safetensors.torch import save_model
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out)
+    save_model(model, str(out / "model.safetensors"))
+

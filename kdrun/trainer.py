@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,13 +24,14 @@ from kdrun.cache import staging_dir, write_json_atomic
 from kdrun.data.pipeline import make_loader
 from kdrun.features import Features, extract_features
 from kdrun.objective import Objective, StagePlan
+from kdrun.preemption import Interrupted, PreemptionGuard
 
 
 class TrainingDiverged(RuntimeError):
     """A loss became NaN or infinite; the last good checkpoint is kept."""
 
 
-class SimulatedInterrupt(SystemExit):
+class SimulatedInterrupt(Interrupted):
     """Raised by ``train.stop_after_steps`` to imitate a killed job (testing aid)."""
 
 
@@ -68,6 +70,11 @@ class RunParts:
     run_dir: Path
     config_hash: str
     log_every: int = 10
+    # Data parallelism: this process's rank and the number of processes (1 = not distributed).
+    # Every process sees its slice of each global batch; evaluation is gathered on all of them.
+    rank: int = 0
+    world_size: int = 1
+    guard: PreemptionGuard | None = None
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -133,10 +140,16 @@ def load_module(module: nn.Module, path: Path) -> None:
 
 @torch.inference_mode()
 def predict(model: nn.Module, data, collator, batch_size: int, accelerator,
-            desc: str = "predict") -> tuple[np.ndarray, np.ndarray]:
-    """Logits (N, C) and labels (N,) for a tokenised split, in the split's row order."""
+            desc: str = "predict", world_size: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Logits (N, C) and labels (N,) for a tokenised split, in the split's row order.
+
+    With ``world_size`` > 1 every process predicts its slice and the slices are gathered, so all
+    processes return the whole split.
+    """
+    model = accelerator.unwrap_model(model)  # no DDP collectives in evaluation
     model.eval()
-    loader, _ = make_loader(data, batch_size, collator, seed=0, train=False)
+    rank = accelerator.process_index if world_size > 1 else 0
+    loader, _ = make_loader(data, batch_size, collator, seed=0, train=False, rank=rank, world_size=world_size)
     logits, labels, order = [], [], []
     for batch in tqdm(loader, desc=desc, leave=False, disable=not accelerator.is_main_process or len(loader) < 20,
                       mininterval=2.0, dynamic_ncols=True):
@@ -146,6 +159,12 @@ def predict(model: nn.Module, data, collator, batch_size: int, accelerator,
         logits.append(out.logits.float().cpu())
         labels.append(batch["labels"].cpu())
         order.append(batch["idx"].cpu())
+    if world_size > 1:
+        from accelerate.utils import gather_object
+
+        mine = [(torch.cat(order), torch.cat(logits), torch.cat(labels))] if order else []
+        parts = gather_object(mine)
+        order, logits, labels = [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts]
     idx = torch.cat(order)
     perm = torch.argsort(idx)
     return torch.cat(logits)[perm].numpy(), torch.cat(labels)[perm].numpy()
@@ -155,7 +174,7 @@ def evaluate(parts: RunParts, model: nn.Module) -> dict[str, dict[str, float]]:
     results = {}
     for split, data in parts.eval_data.items():
         logits, labels = predict(model, data, parts.collator, parts.train_cfg.eval_batch_size, parts.accelerator,
-                                 desc=f"eval {split}")
+                                 desc=f"eval {split}", world_size=parts.world_size)
         results[split] = parts.metric_fn(logits, labels)
     return results
 
@@ -215,6 +234,39 @@ def save_best(parts: RunParts, state: TrainState) -> None:
 
 # --------------------------------------------------------------------------------------- the stage
 
+def _average_objective_grads(objective: Objective, world_size: int) -> None:
+    """The objective's own parameters (projections, layer maps) are not inside the student's DDP
+    wrapper, so their gradients are averaged across processes here, in one all-reduce."""
+    grads = [p.grad for p in objective.parameters() if p.grad is not None]
+    if not grads:
+        return
+    import torch.distributed as dist
+
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world_size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _stop_requested(parts: RunParts) -> bool:
+    """Whether a termination signal arrived (on any process: all of them stop at the same step)."""
+    if parts.guard is None:
+        return False
+    flag = parts.guard.pending
+    if parts.world_size > 1:
+        import torch.distributed as dist
+
+        t = torch.tensor([1.0 if flag else 0.0], device=parts.accelerator.device)
+        dist.all_reduce(t)
+        if t.item() > 0 and not flag:
+            parts.guard.received = parts.guard.received or int(signal.SIGTERM)  # signalled elsewhere
+        flag = bool(t.item() > 0)
+    return flag
+
+
 def _optimizer(parts: RunParts, plan: StagePlan) -> torch.optim.Optimizer:
     cfg = plan.cfg
     decay, no_decay = [], []
@@ -237,7 +289,7 @@ def _teacher_logit_table(parts: RunParts, plan: StagePlan) -> torch.Tensor:
     """Teacher logits for every training row, indexed by ``idx`` (the data are fixed across epochs)."""
     parts.teacher.eval()
     logits, _ = predict(parts.teacher, parts.train_data, parts.collator, parts.train_cfg.eval_batch_size,
-                        parts.accelerator, desc="teacher logits")
+                        parts.accelerator, desc="teacher logits", world_size=parts.world_size)
     return torch.from_numpy(logits).to(parts.accelerator.device)
 
 
@@ -247,7 +299,8 @@ def run_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from: 
     student, teacher = parts.student, parts.teacher
     loader, sampler = make_loader(
         parts.train_data, cfg["batch_size"], parts.collator, seed=tcfg.seed + 1000 * plan.index, train=True,
-        group_by_length=tcfg.group_by_length, num_workers=tcfg.num_workers,
+        group_by_length=tcfg.group_by_length, num_workers=tcfg.num_workers, rank=parts.rank,
+        world_size=parts.world_size,
     )
     batches_per_epoch = len(sampler.batches())
     accum = tcfg.gradient_accumulation_steps
@@ -321,6 +374,8 @@ def run_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from: 
                         "or the term's weight, or check the inputs."
                     )
                 acc.backward(loss)
+                if acc.sync_gradients and parts.world_size > 1:
+                    _average_objective_grads(parts.objective, parts.world_size)
                 if acc.sync_gradients and tcfg.max_grad_norm:
                     acc.clip_grad_norm_(list(student.parameters()) + list(parts.objective.parameters()),
                                         tcfg.max_grad_norm)
@@ -353,9 +408,14 @@ def run_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from: 
                 do_eval("steps")
             if ckpt_every and state.global_step % ckpt_every == 0 and state.stage_step < total_steps:
                 save_checkpoint(parts, state, optimizer, scheduler)
+            if _stop_requested(parts):
+                save_checkpoint(parts, state, optimizer, scheduler)
+                pbar.close()
+                parts.guard.stop()
             if tcfg.stop_after_steps is not None and state.global_step >= tcfg.stop_after_steps:
                 pbar.close()
-                raise SimulatedInterrupt(f"stopped after {state.global_step} steps (train.stop_after_steps)")
+                raise SimulatedInterrupt(f"stopped after {state.global_step} steps (train.stop_after_steps); "
+                                         "rerun the same command to resume")
             if state.stage_step >= total_steps:
                 break
         if state.stage_step >= total_steps:
@@ -389,7 +449,7 @@ def finalize_best(parts: RunParts) -> None:
 
 
 __all__ = [
-    "RunParts", "TrainState", "TrainingDiverged", "SimulatedInterrupt", "run_stage", "evaluate",
+    "RunParts", "TrainState", "TrainingDiverged", "SimulatedInterrupt", "Interrupted", "run_stage", "evaluate",
     "seed_everything", "load_checkpoint_state", "checkpoint_dir", "restore_models", "finalize_best",
     "predict",
 ]
