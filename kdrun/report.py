@@ -424,8 +424,9 @@ def plot_curves(cells: dict[tuple, dict[str, Cell]], tasks: list[str], out: Path
 # -------------------------------------------------------------------------------------------- main
 
 def report(paths: list[Path], out: Path, row_keys: list[str] | None = None, scale: float = 100.0,
-           plots: bool = True, stream=sys.stdout) -> dict[str, Any]:
+           plots: bool = True, stream=None) -> dict[str, Any]:
     """Build the table (printed as Markdown), write CSV/LaTeX/PNGs into ``out``; returns a summary."""
+    stream = stream or sys.stdout
     runs, problems = collect(paths, row_keys or [])
     if not runs and not problems:
         raise FileNotFoundError(f"no results.json or Hydra job directories under {', '.join(map(str, paths))}")
