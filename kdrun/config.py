@@ -61,9 +61,11 @@ class TaskConfig:
     tsv: TsvFormat = field(default_factory=TsvFormat)
     train_split: str = "train"
     eval_splits: List[str] = field(default_factory=lambda: ["validation"])
-    # Subsample (first N rows after a seeded shuffle) for quick experiments.
+    # Subsample (first N rows after a seeded shuffle) for quick experiments. The subset depends on
+    # sample_seed only, so every seed of a sweep trains on the same examples.
     max_train_samples: Optional[int] = None
     max_eval_samples: Optional[int] = None
+    sample_seed: int = 42
     toy: Optional[ToyConfig] = None
 
 
@@ -78,6 +80,9 @@ class FinetuneConfig:
     weight_decay: float = 0.01
     # Evaluate on dev every N steps (null = at epoch ends) and keep the best teacher.
     eval_every_steps: Optional[int] = None
+    # The teacher's own seed, fixed whatever the run's seed: a sweep over seeds distils every
+    # student from the same (cached) teacher, as the papers do.
+    seed: int = 42
 
 
 @dataclass

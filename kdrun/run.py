@@ -229,7 +229,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     # ---- data
     t0 = time.perf_counter()
-    raw = load_task_data(task, seed=tcfg.seed)
+    raw = load_task_data(task)
     data_hash = data_fingerprint(raw)
     student_needs = frozenset().union(*(p.student_needs for p in plans))
     teacher_needs = frozenset().union(*(p.teacher_needs for p in plans))
@@ -281,7 +281,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             def train_teacher(out: Path) -> dict[str, Any]:
                 from kdrun.tracking import Tracker as _T
 
-                seed_everything(tcfg.seed)
+                seed_everything(tc.finetune.seed)
                 # Whichever process takes the cache lock fine-tunes the teacher alone (the others
                 # wait for the entry), so this is never data-parallel.
                 model = accelerator.prepare_model(new_teacher()) if world == 1 else \
@@ -290,7 +290,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 objective = Objective([plan], [], task.num_labels, M.describe(model), None)
                 quiet = _T(out, cfg.logger, {}, run_name, enabled=False)
                 parts = parts_for(model, None, objective, out, quiet, distributed=False)
-                parts.train_cfg = OmegaConf.merge(tcfg, {"checkpoint_every_steps": None, "stop_after_steps": None})
+                parts.train_cfg = OmegaConf.merge(tcfg, {"checkpoint_every_steps": None, "stop_after_steps": None,
+                                                         "seed": tc.finetune.seed})
                 state = TrainState()
                 print(f"[kdrun] fine-tuning the teacher ({tc.name}) on {task.name}")
                 run_stage(parts, plan, state, None)

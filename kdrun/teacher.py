@@ -1,7 +1,7 @@
 """The teacher: loaded from a checkpoint, or fine-tuned on the task once and cached.
 
 The cache key is a hash of everything that determines the fine-tuned weights (model reference,
-task data content, tokenisation, fine-tuning hyperparameters, seed, precision). Entries are built
+task data content, tokenisation, fine-tuning hyperparameters and seed, precision). Entries are built
 in a temporary directory under a file lock and renamed into place, so concurrent sweep jobs train
 a teacher once and never read a half-written one.
 """
@@ -49,7 +49,7 @@ def teacher_cache_key(teacher_cfg: Any, resolved_ref: str, data_hash: str, tok_h
         "tokenizer": tok_hash,
         "num_labels": task_cfg.num_labels,
         "max_seq_length": task_cfg.max_seq_length,
-        "seed": train_cfg.seed,
+        "seed": teacher_cfg.finetune.seed,
         "precision": precision,
         "group_by_length": train_cfg.group_by_length,
     })

@@ -498,8 +498,14 @@ def check_task_data(task: Any) -> None:
         )
 
 
-def load_task_data(task: Any, seed: int = 42) -> datasets.DatasetDict:
-    """Load the train and eval splits of ``task`` with canonical columns (see module docstring)."""
+def load_task_data(task: Any, seed: int | None = None) -> datasets.DatasetDict:
+    """Load the train and eval splits of ``task`` with canonical columns (see module docstring).
+
+    ``max_train_samples`` / ``max_eval_samples`` subsets are drawn with ``task.sample_seed`` (not the
+    run's seed), so runs over several seeds see the same examples; ``seed`` overrides it.
+    """
+    if seed is None:
+        seed = int(_get(task, "sample_seed", 42))
     splits = _splits(task)
     train_split = splits[0]
     pair = _is_pair(task)
