@@ -31,6 +31,15 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
     from kdrun.models import resolve_reference
 
     plans = plan_stages(cfg.objective, cfg.train.epochs, cfg.train.lr)
+    for plan in plans:  # e.g. ALP's beta = 1 - eta - lambda written as two CE terms
+        net: dict[str, float] = {}
+        for term in plan.terms:
+            net[term.spec.name] = net.get(term.spec.name, 0.0) + term.weight
+        for name, w in net.items():
+            if w < 0:
+                raise ConfigError(
+                    f"objective.stages[{plan.index}] ('{plan.name}'): the weights of loss '{name}' sum to {w:.4g} < 0 "
+                    "(for ALP: beta = 1 - eta - lambda must be ≥ 0); choose weights that keep it non-negative")
     if cfg.mapping.name not in MAPPINGS:
         raise ConfigError(f"mapping.name='{cfg.mapping.name}' is unknown; valid: {', '.join(sorted(MAPPINGS))}")
     if cfg.augmentation.name != "none" and any(p.cfg["data"] == "augmented" for p in plans):
