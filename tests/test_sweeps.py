@@ -186,3 +186,24 @@ def test_optuna_study_resumes_in_its_sweep_dir(tmp_path: Path) -> None:
     values = sorted(r["student"]["metrics"]["validation"]["accuracy"] for r in finished)
     assert sorted({t.value for t in trials}) == sorted(set(values))
     assert 3 <= len(finished) <= 5  # repeated suggestions reuse their finished job directory
+
+
+@pytest.mark.parametrize("preset", ["seeds", "optuna", "ckd_grid", "ckd_grid_emnlp", "alp_grid", "tinybert_grid"])
+def test_every_sweep_preset_sweeps_existing_keys(preset: str) -> None:
+    """A typo in a preset's key would silently add a key nobody reads (or fail late, per job)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from omegaconf import OmegaConf
+
+    from kdrun.config import register_configs
+
+    register_configs()
+    with initialize_config_module(config_module="kdrun.conf", version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=[f"sweep={preset}"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    assert params, f"sweep={preset} sweeps nothing"
+    absent = object()
+    for key in params:
+        assert OmegaConf.select(cfg, key, default=absent) is not absent, f"sweep={preset}: no key {key}"
+    if preset == "optuna":
+        assert cfg.hydra.sweeper.direction == "maximize" and "optuna.db" in cfg.hydra.sweeper.storage
