@@ -1,8 +1,8 @@
 """The features record that teacher and student both produce, and that loss terms consume.
 
 Loss terms never look inside a model: they see only a :class:`Features` record. What a record
-holds is decided by the union of the loss terms' declared needs, so hidden states and attentions
-are computed only when some term asks for them.
+holds is decided by the union of the loss terms' declared needs, so hidden states, attentions and
+Q/K/V projections are computed (or kept) only when some term asks for them.
 """
 
 from __future__ import annotations
@@ -13,9 +13,60 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-# Names a loss term may list in ``needs``.
-KNOWN_NEEDS = frozenset({"logits", "hidden_states", "attentions", "spans"})
+# Names a loss term may list in ``needs``:
+#   logits, hidden_states, attentions (post-softmax, eager attention only), spans,
+#   qkv (per-layer query/key/value projections), attention_scores (pre-softmax scores, from Q and K).
+KNOWN_NEEDS = frozenset({"logits", "hidden_states", "attentions", "spans", "qkv", "attention_scores"})
+# Needs served by forward hooks on the attention projections (any attention implementation, SDPA too).
+PROJECTION_NEEDS = frozenset({"qkv", "attention_scores"})
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+class AttentionInputs:
+    """Q, K, V projections of every transformer layer, captured by forward hooks.
+
+    Layers are numbered 1..L like hidden states (layer l's attention reads hidden state l-1).
+    Tensors captured under ``torch.inference_mode`` (the teacher) are cloned when first read, so
+    they can take part in the student's autograd graph; pre-softmax scores are computed, in fp32,
+    only for the layers a loss term reads.
+    """
+
+    def __init__(self, q: list[torch.Tensor], k: list[torch.Tensor], v: list[torch.Tensor], heads: int,
+                 scaling: float):
+        self._raw = {"q": q, "k": k, "v": v}
+        self.heads = heads
+        self.scaling = scaling
+        self.num_layers = len(q)
+        self._cache: dict[tuple[str, int], torch.Tensor] = {}
+
+    def _layer(self, layer: int) -> int:
+        if not 1 <= layer <= self.num_layers:
+            raise IndexError(f"attention layer {layer} requested; the model has layers 1..{self.num_layers}")
+        return layer - 1
+
+    def projection(self, which: str, layer: int) -> torch.Tensor:
+        """(B, n, d) output of layer ``layer``'s ``which`` ∈ {q, k, v} projection (all heads)."""
+        key = (which, layer)
+        if key not in self._cache:
+            x = self._raw[which][self._layer(layer)]
+            self._cache[key] = x.clone() if x.is_inference() else x
+        return self._cache[key]
+
+    def heads_of(self, which: str, layer: int, heads: int | None = None) -> torch.Tensor:
+        """(B, h, n, d/h): the projection split into ``heads`` heads (default: the model's)."""
+        x = self.projection(which, layer)
+        h = heads or self.heads
+        b, n, d = x.shape
+        return x.view(b, n, h, d // h).transpose(1, 2)
+
+    def scores(self, layer: int) -> torch.Tensor:
+        """(B, h, n, n) pre-softmax attention scores Q K^T / sqrt(d_head) of ``layer`` (fp32, no mask)."""
+        key = ("scores", layer)
+        if key not in self._cache:
+            q = self.heads_of("q", layer).float()
+            k = self.heads_of("k", layer).float()
+            self._cache[key] = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
+        return self._cache[key]
 
 
 @dataclass
@@ -27,7 +78,9 @@ class Features:
     attentions: tuple of L tensors (B, h, n, n) of attention probabilities (eager attention only).
     attention_mask: (B, n), 1 for real tokens.
     spans: per-example span index tensors when the data provides them.
-    extra: room for features later objectives add (e.g. pre-softmax scores from hooks).
+    extra: features later objectives add; ``extra["attention_inputs"]`` (an :class:`AttentionInputs`)
+        when a term needs ``qkv`` or ``attention_scores`` — read it with :meth:`attention_scores`
+        and :meth:`qkv`.
     """
 
     logits: torch.Tensor
@@ -46,26 +99,70 @@ class Features:
             )
         return value
 
+    def _attention_inputs(self, need: str) -> AttentionInputs:
+        rec = self.extra.get("attention_inputs")
+        if rec is None:
+            raise RuntimeError(
+                f"features record has no Q/K/V projections: the loss term that reads them must declare "
+                f"needs={{'{need}'}} in its @register_loss decorator")
+        return rec
+
+    def attention_scores(self, layer: int) -> torch.Tensor:
+        """(B, h, n, n) pre-softmax scores of transformer layer ``layer`` (1..L), fp32, unmasked."""
+        return self._attention_inputs("attention_scores").scores(layer)
+
+    def qkv(self) -> AttentionInputs:
+        """Per-layer Q, K, V projections (see :class:`AttentionInputs`)."""
+        return self._attention_inputs("qkv")
+
 
 def model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: batch[k] for k in MODEL_INPUTS if k in batch}
 
 
+def _capture_projections(model: nn.Module):
+    """Register hooks keeping every layer's Q/K/V projection output; returns (store, handles, meta)."""
+    from kdrun.models import attention_projections
+
+    modules = attention_projections(model)
+    store: dict[str, list[Any]] = {w: [None] * len(modules) for w in ("q", "k", "v")}
+    handles = []
+    for i, attn in enumerate(modules):
+        for which, lin in (("q", attn.query), ("k", attn.key), ("v", attn.value)):
+            def hook(_m, _inp, out, which=which, i=i):
+                store[which][i] = out
+            handles.append(lin.register_forward_hook(hook))
+    first = modules[0]
+    heads = int(first.num_attention_heads)
+    scaling = float(getattr(first, "scaling", first.attention_head_size ** -0.5))
+    return store, handles, (heads, scaling)
+
+
 def extract_features(model: nn.Module, batch: Mapping[str, Any], needs: frozenset[str]) -> Features:
     """Run ``model`` on ``batch`` and collect the features in ``needs``."""
-    out = model(
-        **model_inputs(batch),
-        output_hidden_states="hidden_states" in needs,
-        output_attentions="attentions" in needs,
-        return_dict=True,
-    )
+    capture = bool(needs & PROJECTION_NEEDS)
+    store, handles, meta = _capture_projections(model) if capture else (None, [], None)
+    try:
+        out = model(
+            **model_inputs(batch),
+            output_hidden_states="hidden_states" in needs,
+            output_attentions="attentions" in needs,
+            return_dict=True,
+        )
+    finally:
+        for h in handles:
+            h.remove()
     attentions = tuple(out.attentions) if "attentions" in needs else None
     if attentions is not None and len(attentions) == 0:
         raise RuntimeError("model returned no attentions: it must run with attn_implementation='eager'")
+    extra: dict[str, Any] = {}
+    if capture:
+        extra["attention_inputs"] = AttentionInputs(store["q"], store["k"], store["v"], *meta)
     return Features(
         logits=out.logits,
         attention_mask=batch["attention_mask"],
         hidden_states=tuple(out.hidden_states) if "hidden_states" in needs else None,
         attentions=attentions,
         spans=batch.get("spans") if "spans" in needs else None,
+        extra=extra,
     )

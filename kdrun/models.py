@@ -160,6 +160,30 @@ def _encoder_layers(model: nn.Module) -> nn.ModuleList:
     return base.encoder.layer
 
 
+def attention_projections(model: nn.Module) -> list[nn.Module]:
+    """The self-attention module of every transformer layer, in order (BERT-style: a module with
+    ``query``, ``key`` and ``value`` linear projections). Forward hooks on those projections give the
+    features record Q, K, V and pre-softmax attention scores under any attention implementation."""
+    model = getattr(model, "module", model)  # DistributedDataParallel
+    try:
+        layers = _encoder_layers(model)
+    except AttributeError:
+        layers = []
+    found = []
+    for layer in layers:
+        attn = next((m for m in layer.modules() if all(isinstance(getattr(m, n, None), nn.Linear)
+                                                       for n in ("query", "key", "value"))), None)
+        if attn is None:
+            break
+        found.append(attn)
+    if not layers or len(found) != len(layers):
+        raise ValueError(
+            f"{type(model).__name__} has no BERT-style self-attention (query/key/value projections in "
+            "base_model.encoder.layer); loss terms that read Q, K, V or attention scores (TinyBERT's "
+            "attention loss, MiniLM) need a BERT-style teacher and student")
+    return found
+
+
 def truncate_layers(model: nn.Module, num_layers: int) -> nn.Module:
     """A copy of ``model`` keeping embeddings, the first ``num_layers`` layers, pooler and head (PKD)."""
     layers = _encoder_layers(model)

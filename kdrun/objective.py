@@ -2,13 +2,15 @@
 
 ``plan_stages`` checks names and parameters against the loss registry with only the config at hand
 (so typos fail before any model loads). :class:`Objective` then owns what the terms need at run
-time: the mapping's layer pairs, and every learnable module the terms ask for, whose parameters
-the trainer adds to the optimizer.
+time: the layer maps built from the ``mapping`` group (shared by the terms that use them), and every
+learnable module the terms ask for; the parameters of both go to the optimizer, into checkpoints
+(objective.safetensors) and, where a module offers ``log_values``, into the logs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -17,6 +19,7 @@ from torch import nn
 
 from kdrun.features import Features
 from kdrun.losses import LossContext, LossSpec, check_params, get_loss
+from kdrun.mapping import MAPPINGS, STRATEGY_PARAMS, LayerMap, MappedPairs, MappingSpec, pairs_map
 
 VALID_DATA = ("original", "augmented")
 
@@ -99,62 +102,162 @@ def plan_stages(objective_cfg: DictConfig, epochs: float | None = None, lr: floa
     return plans
 
 
+def _param_default(fn, name: str, default: Any = None) -> Any:
+    p = inspect.signature(fn).parameters.get(name)
+    return default if p is None or p.default is inspect.Parameter.empty else p.default
+
+
+# Needs that mean a term compares layer representations, so the mapping concerns it.
+_LAYER_NEEDS = frozenset({"hidden_states", "attentions", "qkv", "attention_scores"})
+
+
+def map_kinds(spec: LossSpec) -> frozenset[str]:
+    """Map kinds a term handles: what it declares (kdrun.losses.layerwise.reads_layer_map), else
+    one-to-one pairs for terms that read layers and nothing for prediction-layer terms."""
+    declared = getattr(spec.fn, "layer_map_kinds", None)
+    if declared is not None:
+        return declared
+    return frozenset({"pairs"}) if (spec.needs | spec.teacher_needs) & _LAYER_NEEDS else frozenset()
+
+
 class Objective(nn.Module):
-    """Computes a stage's weighted loss; owns the learnable parts of all loss terms."""
+    """Computes a stage's weighted loss; owns the learnable parts of all loss terms and the layer maps.
+
+    ``mapping`` is a :class:`~kdrun.mapping.MappingSpec` (the ``mapping`` group; maps are built for
+    the models' depths, one per distinct set of matched student layers: terms with
+    ``match_last: false`` leave the student's last layer out) or explicit (student, teacher) pairs.
+    """
 
     def __init__(
         self,
         plans: list[StagePlan],
-        layer_pairs: list[tuple[int, int]],
+        mapping: MappingSpec | list[tuple[int, int]] | None,
         num_labels: int,
         student_info: dict[str, int],
         teacher_info: dict[str, int] | None,
     ):
         super().__init__()
         self.plans = plans
-        self.layer_pairs = list(layer_pairs)
         self.num_labels = num_labels
+        self.mapping = mapping if isinstance(mapping, MappingSpec) else None
+        self._fixed_pairs = None if self.mapping is not None else [tuple(p) for p in (mapping or [])]
         self.term_modules = nn.ModuleDict()
+        self.maps = nn.ModuleDict()
+        self._term_map: dict[str, str] = {}  # module key of a term -> key of its map
+        self._alias: dict[str, str] = {}  # module key of a term -> module key it shares (share_key)
+        self._info = (student_info, teacher_info)
         for plan in plans:
+            shared: dict[str, str] = {}
             for term in plan.terms:
+                key = self._module_key(plan, term)
                 if term.spec.uses_teacher and teacher_info is None:
                     raise ValueError(f"{term.where}: loss '{term.spec.name}' needs a teacher")
+                pairs = self._map_for(plan, term, key) if teacher_info is not None else MappedPairs([])
                 if term.spec.check is not None:
                     try:
-                        term.spec.check(student_info, teacher_info, self.layer_pairs, **term.params)
+                        term.spec.check(student_info, teacher_info, pairs, **term.params)
                     except ValueError as e:
                         raise ValueError(f"{term.where} ({term.spec.name}): {e}") from None
                 if term.spec.module_factory is not None:
-                    module = term.spec.module_factory(student_info, teacher_info, self.layer_pairs, **term.params)
-                    if module is not None:
-                        self.term_modules[self._module_key(plan, term)] = module
+                    module = term.spec.module_factory(student_info, teacher_info, pairs, **term.params)
+                    share = getattr(module, "share_key", None)
+                    if share is not None and share in shared:
+                        self._alias[key] = shared[share]
+                    elif module is not None:
+                        self.term_modules[key] = module
+                        if share is not None:
+                            shared[share] = key
+
+    # ---- maps
+    def _map_for(self, plan: StagePlan, term: Term, key: str) -> MappedPairs:
+        kinds = map_kinds(term.spec)
+        if not kinds:
+            return MappedPairs([])
+        exclude_last = not term.params.get("match_last", _param_default(term.spec.fn, "match_last", True))
+        spec, map_key = self._spec_for(term)
+        map_key += "_nolast" if exclude_last else ""
+        if map_key not in self.maps:
+            s_info, t_info = self._info
+            if spec is None:
+                lmap = pairs_map(self._fixed_pairs)
+            else:
+                stage_lr = plan.cfg.get("objective_lr") or plan.cfg.get("lr")
+                try:
+                    spec.check()
+                    lmap = spec.build(s_info["layers"], t_info["layers"], exclude_last=exclude_last,
+                                      stage_lr=stage_lr, name=map_key)
+                except ValueError as e:
+                    raise ValueError(f"{term.where} ({term.spec.name}): {e}") from None
+            self.maps[map_key] = lmap
+        lmap = self.maps[map_key]
+        if lmap.kind not in kinds:
+            ok = [n for n, k in MAPPINGS.items() if k in kinds]
+            raise ValueError(
+                f"{term.where} ({term.spec.name}): mapping={lmap.strategy} "
+                f"{'combines teacher layers' if lmap.kind != 'pairs' else 'gives one-to-one pairs'}, which "
+                f"'{term.spec.name}' does not support; choose mapping= one of {', '.join(ok)}")
+        self._term_map[key] = map_key
+        return MappedPairs(lmap.pairs, lmap)
+
+    def _spec_for(self, term: Term) -> tuple[MappingSpec | None, str]:
+        """The mapping a term uses: the ``mapping`` group, or the term's own choice (``mapping`` /
+        ``buckets`` params, e.g. ALP's attention map) while the group is at its default (uniform)."""
+        if self.mapping is None:
+            return None, "map"
+        pinned = term.params.get("mapping", _param_default(term.spec.fn, "mapping"))
+        if pinned is None or self.mapping.name != "uniform" or pinned == "uniform":
+            return self.mapping, "map"
+        buckets = term.params.get("buckets", _param_default(term.spec.fn, "buckets")) or self.mapping.buckets
+        params = {k: v for k, v in self.mapping.params.items() if k in STRATEGY_PARAMS.get(pinned, set())}
+        spec = replace(self.mapping, name=pinned, buckets=buckets, params=params)
+        return spec, f"map_{pinned}"
+
+    @property
+    def layer_pairs(self) -> list[Any]:
+        """The main map's table for results.json: (s, t) pairs, or (s, [bucket]) for combining maps."""
+        for lmap in self.maps.values():
+            return lmap.describe()
+        return [list(p) for p in self._fixed_pairs] if self._fixed_pairs is not None else []
 
     @staticmethod
     def _module_key(plan: StagePlan, term: Term) -> str:
         return f"stage{plan.index}_{term.key}"
 
-    def stage_parameters(self, stage: int) -> list[nn.Parameter]:
+    def _term_module(self, key: str) -> nn.Module | None:
+        key = self._alias.get(key, key)
+        return self.term_modules[key] if key in self.term_modules else None
+
+    def _stage_maps(self, stage: int) -> dict[str, LayerMap]:
         plan = self.plans[stage]
-        params: list[nn.Parameter] = []
-        for term in plan.terms:
-            key = self._module_key(plan, term)
-            if key in self.term_modules:
-                params.extend(p for p in self.term_modules[key].parameters() if p.requires_grad)
-        return params
+        keys = [self._term_map.get(self._module_key(plan, t)) for t in plan.terms]
+        return {k: self.maps[k] for k in dict.fromkeys(keys) if k is not None}
+
+    def stage_parameters(self, stage: int) -> list[nn.Parameter]:
+        """Trainable parameters of the stage's term modules and layer maps (each once)."""
+        plan = self.plans[stage]
+        modules = [self._term_module(self._module_key(plan, t)) for t in plan.terms]
+        modules += list(self._stage_maps(stage).values())
+        params: dict[int, nn.Parameter] = {}
+        for m in modules:
+            if m is not None:
+                params.update({id(p): p for p in m.parameters() if p.requires_grad})
+        return list(params.values())
 
     def log_values(self, stage: int) -> dict[str, float]:
         """Scalars the stage's learnable modules want logged (e.g. learnable layer-map weights).
 
         A term module exposes them with a ``log_values() -> dict[str, float]`` method; keys are
-        prefixed with the term's key. The trainer logs them with the training losses.
+        prefixed with the term's key. Layer maps log theirs under their own key (``map/s1/t3``:
+        the weight of teacher layer 3 for student layer 1). The trainer logs them with the losses.
         """
         plan = self.plans[stage]
         out: dict[str, float] = {}
         for term in plan.terms:
-            module = self.term_modules[self._module_key(plan, term)] if self._module_key(plan, term) in \
-                self.term_modules else None
+            module = self._term_module(self._module_key(plan, term))
             if module is not None and hasattr(module, "log_values"):
                 out.update({f"{term.key}/{k}": float(v) for k, v in module.log_values().items()})
+        for key, lmap in self._stage_maps(stage).items():
+            out.update({f"{key}/{k}": v for k, v in lmap.log_values().items()})
         return out
 
     def forward(
@@ -166,11 +269,14 @@ class Objective(nn.Module):
         values: dict[str, torch.Tensor] = {}
         for term in plan.terms:
             key = self._module_key(plan, term)
+            map_key = self._term_map.get(key)
+            lmap = self.maps[map_key] if map_key is not None else None
             ctx = LossContext(
                 num_labels=self.num_labels,
-                layer_pairs=self.layer_pairs,
-                module=self.term_modules[key] if key in self.term_modules else None,
+                layer_pairs=lmap.pairs_at(step) if lmap is not None else [],
+                module=self._term_module(key),
                 step=step,
+                layer_map=lmap,
             )
             value = term.spec.fn(student, teacher if term.spec.uses_teacher else None, batch, ctx, **term.params)
             values[term.key] = value.detach()

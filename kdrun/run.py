@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kdrun.cache import content_hash, staging_dir, write_json_atomic
-from kdrun.mapping import MAPPINGS, build_layer_pairs
+from kdrun.mapping import MAPPINGS, MappingSpec
 from kdrun.objective import plan_stages
 
 
@@ -353,10 +353,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     M.set_attn_implementation(student, need_s_attn)
     s_info = M.describe(student)
     t_info = M.describe(accelerator.unwrap_model(teacher)) if teacher is not None else None
-    layer_pairs = build_layer_pairs(cfg.mapping.name, s_info["layers"], t_info["layers"],
-                                    include_embeddings=cfg.mapping.include_embeddings,
-                                    **cfg.mapping.params) if t_info else []
-    objective = Objective(plans, layer_pairs, task.num_labels, s_info, t_info)
+    try:
+        mapping = MappingSpec.from_config(cfg.mapping, seed=tcfg.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    objective = Objective(plans, mapping, task.num_labels, s_info, t_info)
+    layer_pairs = objective.layer_pairs
     student = accelerator.prepare_model(student)
     objective.to(accelerator.device)
     parts = parts_for(student, teacher, objective, run_dir, tracker)

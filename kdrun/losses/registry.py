@@ -28,6 +28,9 @@ class LossContext:
     # The term's own learnable module (from module_factory), if any.
     module: nn.Module | None = None
     step: int = 0
+    # The built mapping (kdrun.mapping.LayerMap) for terms that combine teacher layers; layer_pairs
+    # is its one-to-one view (the current draw for mapping=random).
+    layer_map: Any = None
 
     @property
     def regression(self) -> bool:
@@ -121,4 +124,4 @@ def check_params(spec: LossSpec, params: dict[str, Any], where: str) -> None:
 
 def _import_builtin_losses() -> None:
     # Importing the modules runs their @register_loss decorators.
-    from kdrun.losses import ckd, hidden, prediction  # noqa: F401
+    from kdrun.losses import ckd, hidden, layerwise, minilm, prediction, tinybert  # noqa: F401

@@ -1,0 +1,126 @@
+"""MiniLM and MiniLMv2 losses (REFERENCE.md "Other baselines").
+
+Both compare one student layer with one teacher layer — by default the last of each (MiniLM's
+choice; MiniLMv2 suggests an upper-middle teacher layer for large teachers: ``teacher_layer``).
+Every relation is a per-head distribution over keys, compared with KL(teacher || student), averaged
+over heads and real query tokens; padded keys take no probability.
+
+- ``minilm_attention``: the attention distributions softmax(Q K^T / sqrt(d_k)) per attention head.
+- ``minilm_value``: value relations softmax(V V^T / sqrt(d_k)) per attention head.
+  Both compare head by head, so student and teacher need the same number of attention heads.
+- ``minilmv2_qq``, ``minilmv2_kk``, ``minilmv2_vv``: the Q-Q, K-K and V-V self-relations
+  softmax(X X^T / sqrt(d_r)) where X (all heads concatenated, width d) is split into
+  ``relation_heads`` heads of width d_r = d / relation_heads — a number independent of the attention
+  heads, so only the widths must be divisible by it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdrun.features import Features
+from kdrun.losses.layerwise import reads_layer_map, relation_kl
+from kdrun.losses.registry import LossContext, register_loss
+
+RELATIONS = {"query": "q", "key": "k", "value": "v"}
+
+
+def _layers(s: Features, t: Features, student_layer: int | None, teacher_layer: int | None) -> tuple[int, int]:
+    return (student_layer or s.qkv().num_layers, teacher_layer or t.qkv().num_layers)
+
+
+def _check_layers(term: str, student_info, teacher_info, student_layer, teacher_layer) -> None:
+    for who, info, layer in (("student", student_info, student_layer), ("teacher", teacher_info, teacher_layer)):
+        if layer is not None and not (isinstance(layer, int) and 1 <= layer <= info["layers"]):
+            raise ValueError(
+                f"params.{who}_layer={layer!r} but the {who} has {info['layers']} layers; choose "
+                f"1..{info['layers']} or null (its last layer) (objective.params.{who}_layer)")
+
+
+def _check_v1(term: str, student_info, teacher_info, student_layer, teacher_layer) -> None:
+    _check_layers(term, student_info, teacher_info, student_layer, teacher_layer)
+    if student_info["heads"] != teacher_info["heads"]:
+        raise ValueError(
+            f"{term} (MiniLM v1) compares relations head by head, but the student has {student_info['heads']} "
+            f"attention heads and the teacher {teacher_info['heads']}; use a student with the teacher's head "
+            "count, or objective=minilmv2, whose relation heads do not depend on the attention heads")
+
+
+def _check_attention(student_info, teacher_info, pairs, student_layer=None, teacher_layer=None) -> None:
+    _check_v1("minilm_attention", student_info, teacher_info, student_layer, teacher_layer)
+
+
+def _check_value(student_info, teacher_info, pairs, student_layer=None, teacher_layer=None) -> None:
+    _check_v1("minilm_value", student_info, teacher_info, student_layer, teacher_layer)
+
+
+def self_relation(x: torch.Tensor) -> torch.Tensor:
+    """(B, h, n, d) -> (B, h, n, n) scaled dot products x x^T / sqrt(d), fp32."""
+    x = x.float()
+    return torch.matmul(x, x.transpose(-1, -2)) / x.shape[-1] ** 0.5
+
+
+@reads_layer_map()
+@register_loss("minilm_attention", needs={"attention_scores"}, check=_check_attention)
+def minilm_attention(s: Features, t: Features, batch, ctx: LossContext, student_layer: int | None = None,
+                     teacher_layer: int | None = None) -> torch.Tensor:
+    """MiniLM: KL between the (last) layers' attention distributions, per head."""
+    ls, lt = _layers(s, t, student_layer, teacher_layer)
+    return relation_kl(s.attention_scores(ls), t.attention_scores(lt), s.attention_mask)
+
+
+@reads_layer_map()
+@register_loss("minilm_value", needs={"qkv"}, check=_check_value)
+def minilm_value(s: Features, t: Features, batch, ctx: LossContext, student_layer: int | None = None,
+                 teacher_layer: int | None = None) -> torch.Tensor:
+    """MiniLM: KL between value relations softmax(V V^T / sqrt(d_k)), per attention head."""
+    ls, lt = _layers(s, t, student_layer, teacher_layer)
+    return relation_kl(self_relation(s.qkv().heads_of("v", ls)), self_relation(t.qkv().heads_of("v", lt)),
+                       s.attention_mask)
+
+
+def _check_v2(student_info, teacher_info, pairs, relation_heads=12, student_layer=None, teacher_layer=None) -> None:
+    _check_layers("minilmv2", student_info, teacher_info, student_layer, teacher_layer)
+    if isinstance(relation_heads, bool) or not isinstance(relation_heads, int) or relation_heads < 1:
+        raise ValueError(f"params.relation_heads={relation_heads!r} must be a positive integer "
+                         "(objective.params.relation_heads)")
+    bad = [f"{who} {info['hidden']}" for who, info in (("student", student_info), ("teacher", teacher_info))
+           if info["hidden"] % relation_heads]
+    if bad:
+        raise ValueError(
+            f"MiniLMv2 splits Q/K/V into relation_heads={relation_heads} heads, which must divide both "
+            f"widths (not {', '.join(bad)}); set objective.params.relation_heads to a common divisor of "
+            f"{student_info['hidden']} and {teacher_info['hidden']}")
+
+
+def minilmv2_relation(s: Features, t: Features, relation: str, relation_heads: int, student_layer: int | None,
+                      teacher_layer: int | None) -> torch.Tensor:
+    """MiniLMv2: KL between Q-Q, K-K or V-V self-relations over ``relation_heads`` relation heads."""
+    ls, lt = _layers(s, t, student_layer, teacher_layer)
+    which = RELATIONS[relation]
+    return relation_kl(self_relation(s.qkv().heads_of(which, ls, relation_heads)),
+                       self_relation(t.qkv().heads_of(which, lt, relation_heads)), s.attention_mask)
+
+
+@reads_layer_map()
+@register_loss("minilmv2_qq", needs={"qkv"}, check=_check_v2)
+def minilmv2_qq(s: Features, t: Features, batch, ctx: LossContext, relation_heads: int = 12,
+                student_layer: int | None = None, teacher_layer: int | None = None) -> torch.Tensor:
+    """MiniLMv2 query-query relation KL over relation heads."""
+    return minilmv2_relation(s, t, "query", relation_heads, student_layer, teacher_layer)
+
+
+@reads_layer_map()
+@register_loss("minilmv2_kk", needs={"qkv"}, check=_check_v2)
+def minilmv2_kk(s: Features, t: Features, batch, ctx: LossContext, relation_heads: int = 12,
+                student_layer: int | None = None, teacher_layer: int | None = None) -> torch.Tensor:
+    """MiniLMv2 key-key relation KL over relation heads."""
+    return minilmv2_relation(s, t, "key", relation_heads, student_layer, teacher_layer)
+
+
+@reads_layer_map()
+@register_loss("minilmv2_vv", needs={"qkv"}, check=_check_v2)
+def minilmv2_vv(s: Features, t: Features, batch, ctx: LossContext, relation_heads: int = 12,
+                student_layer: int | None = None, teacher_layer: int | None = None) -> torch.Tensor:
+    """MiniLMv2 value-value relation KL over relation heads."""
+    return minilmv2_relation(s, t, "value", relation_heads, student_layer, teacher_layer)
