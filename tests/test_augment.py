@@ -316,6 +316,9 @@ def test_same_seed_same_data_other_seed_differs(tiny_mlm, tmp_path):
     two, i2 = get_augmented(aug_cfg(tiny_mlm), raw, "t", tmp_path / "c2", device="cpu", progress=False)
     assert not i1["cached"] and not i2["cached"] and i1["key"] == i2["key"]
     assert one.to_dict() == two.to_dict()
+    # tokenising in two processes changes nothing either
+    par, _ = get_augmented(aug_cfg(tiny_mlm, num_proc=2), raw, "t", tmp_path / "c3", device="cpu", progress=False)
+    assert par.to_dict() == one.to_dict()
     other, i3 = get_augmented(aug_cfg(tiny_mlm, seed=1), raw, "t", tmp_path / "c1", device="cpu", progress=False)
     assert i3["key"] != i1["key"] and other["text_a"] != one["text_a"]
     assert [r["text_a"] for r in other if r["is_original"]] == SENTS

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -171,8 +172,19 @@ def mlm_identity(ref: str) -> dict[str, Any]:
     return {"hub": ref}
 
 
-def cache_key(s: AugmentSettings, raw_train: datasets.Dataset) -> tuple[str, dict[str, Any]]:
-    """(key, what it hashes): task data, MLM, vectors content, M, N, p_t, seed and label handling."""
+def forward_precision(precision: str, device: Any = None) -> str:
+    """The MLM forward's precision (``fp32``/``bf16``/``fp16``) that ``precision`` means on ``device``."""
+    import torch
+
+    from kdrun.augment.mlm import _autocast_dtype, resolve_device
+
+    dtype = _autocast_dtype(precision, resolve_device(device))
+    return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def cache_key(s: AugmentSettings, raw_train: datasets.Dataset, device: Any = None) -> tuple[str, dict[str, Any]]:
+    """(key, what it hashes): task data, MLM, vectors content, M, N, p_t, seed, label handling and the
+    forward precision (a bf16 GPU build proposes slightly different candidates than an fp32 one)."""
     from kdrun.augment.vectors import vectors_identity
 
     if s.word_vectors is None or s.word_vectors == MLM_EMBEDDINGS:
@@ -189,7 +201,7 @@ def cache_key(s: AugmentSettings, raw_train: datasets.Dataset) -> tuple[str, dic
         "p_t": s.p_t,
         "seed": s.seed,
         "copy_labels": s.copy_labels,
-        "precision": s.precision,
+        "precision": forward_precision(s.precision, device),
     }
     return content_hash(parts), parts
 
@@ -345,6 +357,8 @@ def build_augmented(s: AugmentSettings, raw_train: datasets.Dataset, device: Any
     elif s.word_vectors is not None:
         vectors = load_glove(s.word_vectors, s.max_vectors, mlm.device)
     sides = ["text_a", "text_b"] if "text_b" in raw_train.column_names else ["text_a"]
+    if s.num_proc and s.num_proc > 1:  # forked workers each tokenise; no nested Rust thread pools
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tok = raw_train.map(_Tokenize(mlm.tokenizer, sides), batched=True, batch_size=1000, num_proc=s.num_proc,
                         desc="augment: split and tokenise")
     stats = _Stats()
@@ -434,7 +448,7 @@ def get_augmented(cfg_aug: Any, raw_train: datasets.Dataset, task_name: str, cac
     and ``settings``.
     """
     s = settings_from_config(cfg_aug)
-    key, key_parts = cache_key(s, raw_train)
+    key, key_parts = cache_key(s, raw_train, device)
 
     def build(tmp: Path) -> None:
         ds, stats = build_augmented(s, raw_train, device, progress)

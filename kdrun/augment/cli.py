@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_augmentation(aug)
         check_task_data(cfg.task)
-        raw = load_task_data(cfg.task, seed=cfg.train.seed)
+        raw = load_task_data(cfg.task)  # the same subsample a run draws (task.sample_seed)
         train = raw[cfg.task.train_split]
         print(f"[kdrun-augment] {cfg.task.name}: {len(train)} training rows; mlm={aug.mlm}, "
               f"word_vectors={aug.word_vectors}, m={aug.m}, n={n}, p_t={aug.p_t}, seed={aug.seed}")
