@@ -335,6 +335,39 @@ def _is_regression(raw_train: datasets.Dataset) -> bool:
     return str(getattr(raw_train.features["label"], "dtype", "int64")).startswith("float")
 
 
+def _distinct_sentences(rows: dict[str, list[Any]], sides: list[str]):
+    """The distinct sentences of a chunk (each searched once: MNLI repeats its premises) and, per side,
+    the sentence index of every row."""
+    keys: dict[str, int] = {}
+    sents: list[tuple[list[str], list[int], list[int]]] = []
+    where: dict[str, list[int]] = {}
+    for side in sides:
+        where[side] = []
+        for r, text in enumerate(rows[side]):
+            if text not in keys:
+                keys[text] = len(sents)
+                sents.append((rows[f"{side}_pieces"][r], rows[f"{side}_ids"][r], rows[f"{side}_piece_of"][r]))
+            where[side].append(keys[text])
+    return sents, where
+
+
+def _emit(cols: dict[str, list[Any]], rows: dict[str, list[Any]], r: int, sides: list[str],
+          variants: list[list[str]], copy_labels: bool, no_label: Any, stats: _Stats) -> None:
+    """Append source row ``r``: the original, then each side's variants with the other side(s) kept."""
+    original = {side: rows[side][r] for side in sides}
+    out = [(original, True)]
+    for side, texts in zip(sides, variants):
+        out.extend(({**original, side: text}, False) for text in texts)
+    for texts, is_orig in out:
+        for side in sides:
+            cols[side].append(texts[side])
+        cols["label"].append(rows["label"][r] if is_orig or copy_labels else no_label)
+        cols["idx"].append(stats.rows)
+        cols["source_idx"].append(rows["idx"][r])
+        cols["is_original"].append(is_orig)
+        stats.rows += 1
+
+
 def build_augmented(s: AugmentSettings, raw_train: datasets.Dataset, device: Any = None,
                     progress: bool = True) -> tuple[datasets.Dataset, dict[str, Any]]:
     """Augment ``raw_train`` (not cached; see :func:`get_augmented`). Returns (dataset, stats)."""
@@ -371,18 +404,7 @@ def build_augmented(s: AugmentSettings, raw_train: datasets.Dataset, device: Any
     for start in range(0, len(tok), _CHUNK_ROWS):
         rows = tok[start:start + _CHUNK_ROWS]
         n_rows = len(rows["idx"])
-        # Each distinct sentence of the chunk is searched once (MNLI repeats its premises).
-        keys: dict[str, int] = {}
-        sents: list[tuple[list[str], list[int], list[int]]] = []
-        where: dict[str, list[int]] = {}
-        for side in sides:
-            where[side] = []
-            for r in range(n_rows):
-                text = rows[side][r]
-                if text not in keys:
-                    keys[text] = len(sents)
-                    sents.append((rows[f"{side}_pieces"][r], rows[f"{side}_ids"][r], rows[f"{side}_piece_of"][r]))
-                where[side].append(keys[text])
+        sents, where = _distinct_sentences(rows, sides)
         n_sent = n_rows * len(sides)
         shown = [0.0]
 
@@ -395,23 +417,12 @@ def build_augmented(s: AugmentSettings, raw_train: datasets.Dataset, device: Any
         bar.update(n_sent - shown[0])
         cols: dict[str, list[Any]] = {c: [] for c in features}
         for r in range(n_rows):
-            pos = start + r
-            label = rows["label"][r]
-            original = {side: rows[side][r] for side in sides}
-            emit = [(original, True)]
+            variants = []
             for k, side in enumerate(sides):
                 si = where[side][r]
-                rng = np.random.default_rng([s.seed, pos, k])
-                for text in make_variants(sents[si][0], cands[si], s.n, s.p_t, rng)[1:]:
-                    emit.append(({**original, side: text}, False))
-            for texts, is_orig in emit:
-                for side in sides:
-                    cols[side].append(texts[side])
-                cols["label"].append(label if is_orig or s.copy_labels else no_label)
-                cols["idx"].append(stats.rows)
-                cols["source_idx"].append(rows["idx"][r])
-                cols["is_original"].append(is_orig)
-                stats.rows += 1
+                rng = np.random.default_rng([s.seed, start + r, k])  # one stream per (row, side)
+                variants.append(make_variants(sents[si][0], cands[si], s.n, s.p_t, rng)[1:])
+            _emit(cols, rows, r, sides, variants, s.copy_labels, no_label, stats)
         stats.sentences += n_sent
         parts.append(datasets.Dataset.from_dict(cols, features=features))
     bar.close()
