@@ -22,6 +22,12 @@ PROJECTION_NEEDS = frozenset({"qkv", "attention_scores"})
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
+def fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in at least single precision (losses are computed in fp32 under bf16/fp16 autocast;
+    float64 inputs, as in the tests, stay float64)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 class AttentionInputs:
     """Q, K, V projections of every transformer layer, captured by forward hooks.
 
@@ -63,8 +69,8 @@ class AttentionInputs:
         """(B, h, n, n) pre-softmax attention scores Q K^T / sqrt(d_head) of ``layer`` (fp32, no mask)."""
         key = ("scores", layer)
         if key not in self._cache:
-            q = self.heads_of("q", layer).float()
-            k = self.heads_of("k", layer).float()
+            q = fp32(self.heads_of("q", layer))
+            k = fp32(self.heads_of("k", layer))
             self._cache[key] = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
         return self._cache[key]
 

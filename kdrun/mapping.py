@@ -240,9 +240,10 @@ class LayerMap(nn.Module):
         """(k,) weights over each row's bucket for ``pairs``/``weights`` kinds; None otherwise."""
         if self.kind == "pairs":
             chosen = dict(self.pairs_at(step))
-            return [torch.tensor([float(t == chosen[r.student]) for t in r.teachers]) for r in self.rows]
-        if self.strategy == "mean":
-            return [torch.full((len(r.teachers),), 1.0 / len(r.teachers)) for r in self.rows]
+            return [torch.tensor([float(t == chosen[r.student]) for t in r.teachers], dtype=torch.float64)
+                    for r in self.rows]
+        if self.strategy == "mean":  # float64 so that 1/k is exact enough for float64 representations
+            return [torch.full((len(r.teachers),), 1.0 / len(r.teachers), dtype=torch.float64) for r in self.rows]
         if self.strategy == "learnable":
             w = self.theta().masked_fill(~self.mask, float("-inf")).softmax(-1)
             return [w[i, : len(r.teachers)] for i, r in enumerate(self.rows)]
@@ -283,7 +284,8 @@ class LayerMap(nn.Module):
             raise ValueError(
                 f"mapping=attention compares student and teacher vectors by dot product, but their widths are "
                 f"{student_rep.shape[-1]} and {stacked.shape[-1]}; use a student of the teacher's width")
-        logits = torch.einsum("...d,...kd->...k", student_rep.float(), stacked.float()) / self.temperature
+        dtype = torch.promote_types(torch.promote_types(student_rep.dtype, stacked.dtype), torch.float32)
+        logits = torch.einsum("...d,...kd->...k", student_rep.to(dtype), stacked.to(dtype)) / self.temperature
         return logits.softmax(-1)
 
     # ---- logging

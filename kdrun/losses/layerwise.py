@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdrun.features import Features
+from kdrun.features import Features, fp32
 from kdrun.losses.hidden import masked_mean
 from kdrun.losses.registry import LossContext, register_loss
 from kdrun.mapping import LayerMap, MappedPairs, Row, pairs_map
@@ -78,10 +78,10 @@ def mapped(s: Features, t: Features, ctx: LossContext, rep: Callable[[torch.Tens
     for i, row in enumerate(lmap.rows):
         if row.student == 0 and not embeddings:
             continue
-        xs = rep(hs[row.student]).float()
+        xs = fp32(rep(hs[row.student]))
         if project is not None:
-            xs = project(xs, row.student).float()
-        target = lmap.target(i, lambda layer: rep(ht[layer]).float(), student_rep=xs, step=ctx.step,
+            xs = fp32(project(xs, row.student))
+        target = lmap.target(i, lambda layer: fp32(rep(ht[layer])), student_rep=xs, step=ctx.step,
                              weights=weights)
         yield row, xs, target
 
@@ -155,7 +155,7 @@ def masked_log_softmax(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     """log-softmax over the last dim (keys) of (B, H, n, n) logits, padded keys (mask (B, n) == 0)
     excluded (their entries are -inf)."""
     key = mask.bool()[:, None, None, :]
-    return logits.float().masked_fill(~key, float("-inf")).log_softmax(-1)
+    return fp32(logits).masked_fill(~key, float("-inf")).log_softmax(-1)
 
 
 def attention_kl(log_ps: torch.Tensor, pt: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -277,6 +277,6 @@ def comb(s: Features, t: Features, batch, ctx: LossContext, match_last: bool = F
          mapping: str | None = "concat", buckets: str | None = "no") -> torch.Tensor:
     """Combinatorial KD: Σ_j MSE(h_s^j, W_j C_j) on [CLS] vectors; C_j = the bucket's concatenation
     under mapping=concat, projected to the student's width by a learned W_j."""
-    vals = [((xs - ctx.module(tgt, row.student).float()) ** 2).mean()
+    vals = [((xs - fp32(ctx.module(tgt, row.student))) ** 2).mean()
             for row, xs, tgt in mapped(s, t, ctx, cls, None, embeddings=False)]
     return torch.stack(vals).sum()

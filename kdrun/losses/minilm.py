@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kdrun.features import Features
+from kdrun.features import Features, fp32
 from kdrun.losses.layerwise import reads_layer_map, relation_kl
 from kdrun.losses.registry import LossContext, register_loss
 
@@ -56,7 +56,7 @@ def _check_value(student_info, teacher_info, pairs, student_layer=None, teacher_
 
 def self_relation(x: torch.Tensor) -> torch.Tensor:
     """(B, h, n, d) -> (B, h, n, n) scaled dot products x x^T / sqrt(d), fp32."""
-    x = x.float()
+    x = fp32(x)
     return torch.matmul(x, x.transpose(-1, -2)) / x.shape[-1] ** 0.5
 
 

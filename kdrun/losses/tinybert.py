@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from kdrun.features import Features
+from kdrun.features import Features, fp32
 from kdrun.losses.hidden import masked_mean
 from kdrun.losses.layerwise import (
     ONE_TO_ONE,
@@ -63,10 +63,10 @@ def _check_embedding(student_info, teacher_info, pairs, projection="shared") -> 
                module_factory=_projection_module)
 def tinybert_embedding(s: Features, t: Features, batch, ctx: LossContext, projection: str = "shared") -> torch.Tensor:
     """TinyBERT embedding loss: MSE(E_s W, E_t) over real tokens."""
-    es = s.require("hidden_states")[0].float()
+    es = fp32(s.require("hidden_states")[0])
     if ctx.module is not None:
-        es = ctx.module(es, 0).float()
-    return masked_mean((es - t.require("hidden_states")[0].float()) ** 2, s.attention_mask)
+        es = fp32(ctx.module(es, 0))
+    return masked_mean((es - fp32(t.require("hidden_states")[0])) ** 2, s.attention_mask)
 
 
 _check_hidden = projection_check("tinybert_hidden", default="shared")
