@@ -56,6 +56,13 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(
             f"task.main_metric='{cfg.task.main_metric}' is not among task.metrics {list(cfg.task.metrics)}")
     check_task_data(cfg.task)
+    if any("spans" in p.student_needs | p.teacher_needs for p in plans):
+        from kdrun.spans import check_spans_config
+
+        try:
+            check_spans_config(cfg.spans)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     refs: dict[str, Any] = {}
     uses_teacher = any(p.uses_teacher for p in plans) or (
         cfg.student.kind == "truncated" and cfg.student.source == "teacher")
@@ -247,7 +254,14 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     tok_ref = next(refs[k] for k in ("teacher", "teacher_tokenizer", "student", "student_tokenizer") if k in refs)
     tokenizer = M.load_tokenizer(tok_ref)
     tok_hash = M.tokenizer_fingerprint(tokenizer)
-    tokenized = tokenize_splits(raw, tokenizer, task.max_seq_length)
+    span_extractor = None
+    if "spans" in student_needs | teacher_needs:  # MGSKD: multi-piece words + chunker phrases
+        from kdrun.spans import span_extractor_for
+
+        span_extractor = span_extractor_for(cfg.spans, tokenizer, cfg.cache_dir)
+    tokenized = tokenize_splits(raw, tokenizer, task.max_seq_length, spans=span_extractor,
+                                span_splits=[task.train_split], cache_dir=cfg.cache_dir,
+                                cache_key=f"{data_hash}-{tok_hash}")
     train_data = tokenized[task.train_split]
     eval_data = {s: tokenized[s] for s in task.eval_splits}
     pad_to = task.max_seq_length if tcfg.pad_to_max_length else None

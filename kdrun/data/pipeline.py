@@ -17,10 +17,60 @@ from torch.utils.data import DataLoader, Sampler
 TOKEN_COLUMNS = ("input_ids", "attention_mask", "token_type_ids")
 
 
-def tokenize_splits(dsd, tokenizer, max_seq_length: int, num_proc: int | None = None):
-    """Tokenise every split (no padding) and keep ``input_ids``, masks, ``labels``, ``idx``, ``length``."""
-    pair = "text_b" in next(iter(dsd.values())).column_names
+def tokenize_splits(
+    dsd,
+    tokenizer,
+    max_seq_length: int,
+    num_proc: int | None = None,
+    spans: Any = None,
+    span_splits: Sequence[str] | None = None,
+    cache_dir: str | None = None,
+    cache_key: str | None = None,
+):
+    """Tokenise every split (no padding) and keep ``input_ids``, masks, ``labels``, ``idx``, ``length``.
 
+    ``spans`` (a :class:`kdrun.spans.align.SpanExtractor`): the splits in ``span_splits`` (default:
+    all) also get a ``spans`` column, each row a list of ``[start, end)`` token index pairs (MGSKD's
+    multi-piece words and chunker phrases), computed once with a progress bar. With ``cache_dir``
+    and ``cache_key`` (an identity of the raw data and tokenizer, e.g. their content hashes) the
+    tokenised splits with their spans are cached there (``tokenized/<hash>``, Arrow files, written
+    atomically) and later runs load them instead of chunking again.
+    """
+    pair = "text_b" in next(iter(dsd.values())).column_names
+    span_splits = list(dsd) if span_splits is None else [s for s in span_splits if s in dsd]
+    if spans is None or not span_splits:
+        return _tokenize(dsd, tokenizer, max_seq_length, num_proc, pair, None, [])
+    if cache_dir is None or cache_key is None:
+        return _tokenize(dsd, tokenizer, max_seq_length, num_proc, pair, spans, span_splits)
+
+    import datasets
+
+    from kdrun.cache import content_hash, get_or_build
+
+    key = content_hash({"data": cache_key, "max_seq_length": max_seq_length, "spans": spans.key,
+                        "span_splits": sorted(span_splits), "version": SPANS_CACHE_VERSION})
+
+    def build(tmp) -> None:
+        out = _tokenize(dsd, tokenizer, max_seq_length, num_proc, pair, spans, span_splits)
+        for split, ds in out.items():
+            ds.save_to_disk(str(tmp / split))
+
+    entry, hit = get_or_build(cache_dir, "tokenized", key, build)
+    out = {split: datasets.load_from_disk(str(entry / split)) for split in dsd}
+    for split in span_splits:
+        counts = [len(x) for x in out[split]["spans"]]
+        few = sum(c < 3 for c in counts)
+        print(f"[kdrun] spans of {split}{' (cached)' if hit else ''}: {sum(counts) / max(len(counts), 1):.2f} per "
+              f"example, {few} of {len(counts)} examples have fewer than 3 ({entry})", flush=True)
+    return out
+
+
+# Bumped when the layout of cached tokenised splits changes.
+SPANS_CACHE_VERSION = "1"
+
+
+def _tokenize(dsd, tokenizer, max_seq_length: int, num_proc: int | None, pair: bool, spans: Any,
+              span_splits: Sequence[str]):
     def encode(rows: dict[str, list[Any]]) -> dict[str, list[Any]]:
         enc = tokenizer(
             rows["text_a"],
@@ -32,16 +82,44 @@ def tokenize_splits(dsd, tokenizer, max_seq_length: int, num_proc: int | None = 
         enc["length"] = [len(x) for x in enc["input_ids"]]
         return enc
 
+    def add_spans(rows: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        # The same encoding as ``encode`` (its sequence ids locate each segment's tokens).
+        enc = tokenizer(rows["text_a"], rows["text_b"] if pair else None, truncation=True,
+                        max_length=max_seq_length, padding=False)
+        found, _ = spans.spans(enc, rows["text_a"], rows["text_b"] if pair else None)
+        return {"spans": found}
+
+    text_cols = ("text_a", "text_b")
     out = {}
     for split, ds in dsd.items():
+        with_spans = spans is not None and split in span_splits
+        keep = ("label", "idx", *text_cols) if with_spans else ("label", "idx")
         tok = ds.map(
             encode,
             batched=True,
             batch_size=1000,
             num_proc=num_proc,
             desc=f"tokenize {split}",
-            remove_columns=[c for c in ds.column_names if c not in ("label", "idx")],
+            remove_columns=[c for c in ds.column_names if c not in keep],
         )
+        if with_spans:
+            import datasets
+
+            from kdrun.cache import content_hash
+
+            feats = datasets.Features({**tok.features,
+                                       "spans": datasets.List(datasets.List(datasets.Value("int32")))})
+            tok = tok.map(
+                add_spans,
+                batched=True,
+                batch_size=1000,
+                num_proc=num_proc,
+                features=feats,
+                desc=f"spans {split}",
+                # the extractor holds the chunker's weights: name the result instead of hashing them
+                new_fingerprint=content_hash([tok._fingerprint, spans.key, max_seq_length]),
+            )
+            tok = tok.remove_columns([c for c in text_cols if c in tok.column_names])
         tok = tok.rename_column("label", "labels")
         out[split] = tok
     return out
@@ -128,7 +206,11 @@ class LengthGroupedBatchSampler(Sampler[list[int]]):
 
 
 class Collator:
-    """Pads a list of tokenised rows to the longest (or to ``pad_to``) and stacks tensors."""
+    """Pads a list of tokenised rows to the longest (or to ``pad_to``) and stacks tensors.
+
+    Rows with a ``spans`` column give ``batch["spans"]``: (B, S, 2) long ``[start, end)`` token
+    indices, S the most spans of a row in the batch, missing spans filled with -1.
+    """
 
     def __init__(self, pad_token_id: int, regression: bool, pad_to: int | None = None):
         self.pad_token_id = pad_token_id
@@ -151,6 +233,13 @@ class Collator:
             [r["labels"] for r in rows], dtype=torch.float32 if self.regression else torch.long
         )
         batch["idx"] = torch.tensor([r["idx"] for r in rows], dtype=torch.long)
+        if "spans" in rows[0]:
+            most = max(len(r["spans"]) for r in rows)
+            sp = torch.full((len(rows), most, 2), -1, dtype=torch.long)
+            for i, r in enumerate(rows):
+                if r["spans"]:
+                    sp[i, : len(r["spans"])] = torch.as_tensor(r["spans"], dtype=torch.long).view(-1, 2)
+            batch["spans"] = sp
         return batch
 
 
@@ -169,7 +258,7 @@ def make_loader(
         ds["length"], batch_size, seed, group_by_length=group_by_length, shuffle=train, rank=rank,
         world_size=world_size,
     )
-    cols = [c for c in (*TOKEN_COLUMNS, "labels", "idx") if c in ds.column_names]
+    cols = [c for c in (*TOKEN_COLUMNS, "labels", "idx", "spans") if c in ds.column_names]
     # A private generator: creating the loader's iterator must not draw from the global RNG, or
     # dropout masks after a resume would differ from those of an uninterrupted run.
     loader = DataLoader(

@@ -124,4 +124,4 @@ def check_params(spec: LossSpec, params: dict[str, Any], where: str) -> None:
 
 def _import_builtin_losses() -> None:
     # Importing the modules runs their @register_loss decorators.
-    from kdrun.losses import ckd, hidden, layerwise, minilm, prediction, tinybert  # noqa: F401
+    from kdrun.losses import ckd, hidden, layerwise, mgskd, minilm, prediction, tinybert  # noqa: F401

@@ -1,0 +1,387 @@
+"""Multi-granularity structural KD (MGSKD; REFERENCE.md "MGSKD", seed 002).
+
+Three registered terms, one per granularity, so each is weighted (λ_token, λ_span, λ_sample),
+switched off and logged on its own (``train/mgskd_token`` …); each term's module also logs its
+pair and angle parts (``objective/mgskd_token/pair`` …)::
+
+    L_stage1 = λ_token mgskd_token + λ_span mgskd_span + λ_sample mgskd_sample
+    mgskd_token  = Σ_{layer pairs below M}   MSE(P_s, P_t)   + Huber(T_s, T_t)    (tokens)
+    mgskd_span   = Σ_{layer pairs below M}   MSE(P̂_s, P̂_t)   + Huber(T̂_s, T̂_t)    (spans)
+    mgskd_sample = Σ_{layer pairs from M up} Huber(T̃_s, T̃_t)  [+ MSE(P̃_s, P̃_t)]  (samples)
+
+Representations (per layer; hidden state 0 = embeddings): tokens are the real tokens; a span is
+the mean of its tokens (``Features.spans``: (B, S, 2) ``[start, end)``, -1 padding; an example with
+fewer than ``min_spans`` spans leaves the span loss, not the batch); a sample is the mean of its
+real tokens. The layer pairs are the mapping group's (``uniform``: TinyBERT's/CKD's); the student
+index of a pair decides its granularity: below the boundary M token + span, from M up sample
+(``hierarchical=false``: every granularity on every pair).
+
+Relations:
+
+- pair-wise interactions over ``heads`` (m) relation heads: each d-vector is split into m
+  sub-vectors of d/m, ``P^h_ij = <r_i^h, r_j^h> / sqrt(d/m)``; MSE over all valid (h, i, j),
+  the diagonal included (a vector's interaction with itself is its scaled squared norm);
+- triplet angles, one head (the whole vector), ``cos ∠ r_a r_v r_b`` at vertex v, from the Gram
+  matrix of the centred points (:mod:`kdrun.losses.relations`' identities, never (n, n, d)
+  difference tensors). Tokens and spans use the two-step salient selection, made on the teacher
+  and reused for the student: ``A^h = softmax_j(P^h_t)`` over valid j; vertices = top-k1 by
+  ``s_j = Σ_h Σ_i A^h_ij`` (valid i); for each vertex v its top-k2 neighbours by ``Σ_h A^h_vj``
+  (j ≠ v). Angles between every ordered pair (a, b) of a vertex's neighbours (a = b included: cos 1
+  on both sides, error 0 — the convention of :mod:`kdrun.losses.relations`); Huber (smooth L1,
+  ``huber_beta``) averaged over valid triples. Samples: all triples of the batch (k1 = k2 = batch
+  size, as in the paper) in each of the m heads;
+- relation heads need the width divisible by m. A student whose width is not (TinyBERT's 312 with
+  m = 64) is projected to the teacher's width by a learned linear map (``project=auto``; ``always``
+  projects any student, ``never`` makes such a student an error). One projection per term, shared
+  by its layers; the trainer optimises it with the student.
+
+Everything is computed in fp32 with autocast off; the teacher side without gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kdrun.features import Features
+from kdrun.losses.prediction import logit_kd
+from kdrun.losses.registry import LossContext, register_loss
+from kdrun.losses.relations import _safe_rsqrt, _tiny, _tol, angle_loss, center, full_precision, gram, relation_dtype
+
+PROJECT = ("auto", "always", "never")
+_NEG = -1e9  # masked logit (exp underflows to exactly 0, stays finite)
+
+
+# --------------------------------------------------------------------------------------- relations
+
+def split_heads(x: torch.Tensor, m: int) -> torch.Tensor:
+    """(..., n, d) -> (..., m, n, d/m): the m relation-head sub-vectors of each point."""
+    *lead, n, d = x.shape
+    if d % m:
+        raise ValueError(f"width {d} is not divisible by {m} relation heads")
+    return x.reshape(*lead, n, m, d // m).movedim(-2, -3)
+
+
+def pair_interactions(x: torch.Tensor, m: int) -> torch.Tensor:
+    """(B, n, d) -> (B, m, n, n) scaled dot products ``<r_i^h, r_j^h> / sqrt(d/m)``."""
+    h = split_heads(x, m)
+    return (h @ h.transpose(-1, -2)) / math.sqrt(x.shape[-1] // m)
+
+
+def pair_mse(ps: torch.Tensor, pt: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """MSE between (B, m, n, n) interactions over entries whose two points are valid (mask (B, n))."""
+    valid = (mask[:, None, :, None] & mask[:, None, None, :]).expand_as(ps)
+    diff = torch.where(valid, ps - pt, torch.zeros_like(ps))
+    return (diff * diff).sum() / valid.sum().clamp_min(1)
+
+
+def salient_selection(pt: torch.Tensor, mask: torch.Tensor, k1: int, k2: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two-step selection on the teacher's interactions ``pt`` (B, m, n, n), mask (B, n).
+
+    Returns vertices (B, K1) token indices, neighbours (B, K1, K2) token indices and their validity
+    (B, K1, K2) bool (False where an example has fewer valid points than k1 / k2 + 1), with
+    K1 = min(k1, n), K2 = min(k2, n - 1).
+    """
+    B, _, n, _ = pt.shape
+    a = torch.softmax(pt.masked_fill(~mask[:, None, None, :], _NEG), dim=-1)
+    a = a * mask[:, None, :, None]  # queries that are padding give nothing
+    glob = a.sum((1, 2)).masked_fill(~mask, -math.inf)  # (B, n): attention received
+    K1, K2 = min(k1, n), max(min(k2, n - 1), 0)
+    vscore, vert = glob.topk(K1, dim=-1)
+    local = a.sum(1).gather(1, vert[..., None].expand(B, K1, n))  # (B, K1, n): attention the vertex pays
+    ar = torch.arange(n, device=pt.device)
+    local = local.masked_fill(~mask[:, None, :] | (ar[None, None, :] == vert[..., None]), -math.inf)
+    nscore, nb = local.topk(K2, dim=-1)
+    valid = torch.isfinite(nscore) & torch.isfinite(vscore)[..., None]
+    return vert, nb, valid
+
+
+def vertex_angles(x: torch.Tensor, mask: torch.Tensor, vert: torch.Tensor, nb: torch.Tensor, valid: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos of the angle at each vertex between each ordered pair of its neighbours, from Gram entries.
+
+    x (B, n, d) points, mask (B, n), vert (B, K1), nb (B, K1, K2), valid (B, K1, K2). Returns
+    (cos (B, K1, K2, K2), triple validity (B, K1, K2, K2)); a neighbour that coincides with its
+    vertex gives cos 0 (as in :mod:`kdrun.losses.relations`).
+    """
+    B, K1, K2 = nb.shape
+    dt = x.dtype
+    g = gram(center(x, mask))  # (B, n, n)
+    n = g.shape[-1]
+    diag = g.diagonal(dim1=-2, dim2=-1)
+    g_vv = diag.gather(1, vert)  # (B, K1)
+    rows_v = g.gather(1, vert[..., None].expand(B, K1, n))  # (B, K1, n)
+    g_va = rows_v.gather(2, nb)  # (B, K1, K2)
+    g_aa = diag.gather(1, nb.reshape(B, -1)).view(B, K1, K2)
+    rows_a = g.gather(1, nb.reshape(B, K1 * K2, 1).expand(B, K1 * K2, n)).view(B, K1, K2, n)
+    g_ab = rows_a.gather(3, nb[:, :, None, :].expand(B, K1, K2, K2))  # (B, K1, K2, K2)
+    s = g_aa + g_vv[..., None]
+    sq = s - 2.0 * g_va  # squared distance neighbour - vertex
+    ok = valid & (sq > _tol(dt) * s + _tiny(dt))
+    inv = _safe_rsqrt(sq, ok)
+    inner = g_ab - g_va[..., :, None] - g_va[..., None, :] + g_vv[..., None, None]
+    cos = (inner * inv[..., :, None] * inv[..., None, :]).clamp(-1.0, 1.0)
+    return cos, valid[..., :, None] & valid[..., None, :]
+
+
+def huber_mean(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor, beta: float) -> torch.Tensor:
+    diff = torch.where(valid, a - b, torch.zeros_like(a))
+    err = F.smooth_l1_loss(diff, torch.zeros_like(diff), reduction="none", beta=beta)
+    return err.sum() / valid.sum().clamp_min(1)
+
+
+def structure_losses(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, *, heads: int, pair: bool,
+                     angle: bool, k1: int, k2: int, huber_beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair MSE, angle Huber) between student points xs (B, n, ds) and teacher points xt (B, n, dt).
+
+    Relations are within each example; ``mask`` (B, n) marks the valid points.
+    """
+    zero = xs.sum() * 0.0  # keeps the graph when a part is off or empty
+    lp = la = zero
+    need_pt = pair or angle
+    if need_pt:
+        with torch.no_grad():
+            pt = pair_interactions(xt, heads)
+    if pair:
+        lp = pair_mse(pair_interactions(xs, heads), pt, mask)
+    if angle and xs.shape[1] >= 2:
+        vert, nb, valid = salient_selection(pt, mask, k1, k2)
+        cs, tri = vertex_angles(xs, mask, vert, nb, valid)
+        with torch.no_grad():
+            ct, _ = vertex_angles(xt, mask, vert, nb, valid)
+        la = huber_mean(cs, ct, tri, huber_beta)
+    return lp, la
+
+
+def span_points(h: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """Mean of each span's token vectors: h (B, n, d), spans (B, S, 2) [start, end) -> (B, S, d)."""
+    n = h.shape[1]
+    ar = torch.arange(n, device=h.device)
+    start, end = spans[..., :1], spans[..., 1:]
+    w = ((ar >= start) & (ar < end)).to(h.dtype)  # (B, S, n)
+    w = w / w.sum(-1, keepdim=True).clamp_min(1)
+    return w @ h
+
+
+def span_mask(spans: torch.Tensor, min_spans: int) -> torch.Tensor:
+    """(B, S) validity: a real span of an example that has at least ``min_spans`` of them."""
+    real = (spans[..., 0] >= 0) & (spans[..., 1] > spans[..., 0])
+    return real & (real.sum(-1, keepdim=True) >= min_spans)
+
+
+def sample_points(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked mean over real tokens: (B, n, d) -> (B, d)."""
+    m = mask.to(h.dtype)[..., None]
+    return (h * m).sum(1) / m.sum(1).clamp_min(1)
+
+
+# ------------------------------------------------------------------------------------------ module
+
+class MGSKDModule(nn.Module):
+    """A term's learned projection of the student to the teacher's width (when needed) and the
+    running means of its parts, which the trainer logs as ``objective/<term>/<part>``."""
+
+    def __init__(self, student_width: int, teacher_width: int, project: bool):
+        super().__init__()
+        self.proj = nn.Linear(student_width, teacher_width) if project else None
+        self._sums: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.proj is None:
+            return h
+        return F.linear(h, self.proj.weight.to(h.dtype), self.proj.bias.to(h.dtype))
+
+    def record(self, **parts: torch.Tensor) -> None:
+        for k, v in parts.items():
+            self._sums[k] = self._sums.get(k, 0.0) + float(v.detach())
+            self._counts[k] = self._counts.get(k, 0) + 1
+
+    def log_values(self) -> dict[str, float]:
+        out = {k: self._sums[k] / self._counts[k] for k in self._sums}
+        self._sums, self._counts = {}, {}
+        return out
+
+
+def _needs_projection(student_info, teacher_info, heads: int, project: str) -> bool:
+    if project == "always":
+        return True
+    return project == "auto" and student_info["hidden"] % heads != 0
+
+
+def _factory(student_info, teacher_info, layer_pairs, heads: int = 64, project: str = "auto", **_) -> nn.Module:
+    return MGSKDModule(student_info["hidden"], teacher_info["hidden"],
+                       _needs_projection(student_info, teacher_info, heads, project))
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+def _layers(layer_pairs, boundary: int, hierarchical: bool, top: bool) -> list[tuple[int, int]]:
+    if not hierarchical:
+        return list(layer_pairs)
+    return [p for p in layer_pairs if (p[0] >= boundary) == top]
+
+
+def _check(term: str, top: bool, pair_default: bool = True):
+    def check(student_info, teacher_info, layer_pairs, heads=64, k1=20, k2=20, boundary=2, hierarchical=True,
+              project="auto", huber_beta=1.0, pair=pair_default, angle=True, min_spans=3, **_) -> None:
+        src = "objective.params"
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            raise ValueError(f"heads={heads!r} must be a positive integer ({src}.heads)")
+        if project not in PROJECT:
+            raise ValueError(f"project='{project}' must be one of {', '.join(PROJECT)} ({src}.project)")
+        if teacher_info["hidden"] % heads:
+            divisors = [m for m in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96) if teacher_info["hidden"] % m == 0]
+            raise ValueError(f"the teacher's width {teacher_info['hidden']} is not divisible by heads={heads}; "
+                             f"set {src}.heads to a divisor of it (e.g. {divisors[-3:]})")
+        width = teacher_info["hidden"] if _needs_projection(student_info, teacher_info, heads, project) \
+            else student_info["hidden"]
+        if width % heads:
+            raise ValueError(f"the student's width {student_info['hidden']} is not divisible by heads={heads} and "
+                             f"project=never; set {src}.project=auto (a learned projection to the teacher's width) "
+                             "or choose heads dividing both widths")
+        for name, k in (("k1", k1), ("k2", k2), ("min_spans", min_spans)):
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ValueError(f"{name}={k!r} must be a positive integer ({src}.{name})")
+        if isinstance(huber_beta, bool) or not isinstance(huber_beta, (int, float)) or not huber_beta > 0:
+            raise ValueError(f"huber_beta={huber_beta!r} must be a number > 0 ({src}.huber_beta)")
+        if not (pair or angle):
+            raise ValueError(f"both relation types of {term} are off; set its weight to 0 instead "
+                             f"({src}.{term.split('_')[1]}=false)")
+        if not _layers(layer_pairs, boundary, hierarchical, top):
+            where = "from" if top else "below"
+            raise ValueError(
+                f"no student layer {where} the boundary M={boundary} among the layer pairs {layer_pairs}, so {term} "
+                f"has nothing to distil; change {src}.boundary, or switch the term off "
+                f"({src}.{term.split('_')[1]}=false)")
+    return check
+
+
+# ------------------------------------------------------------------------------------------- terms
+
+def _hidden(s: Features, t: Features, term: str):
+    hs, ht = s.require("hidden_states"), t.require("hidden_states")
+    if hs[0].shape[:2] != ht[0].shape[:2]:
+        raise RuntimeError(f"{term}: student and teacher token sequences differ ({tuple(hs[0].shape[:2])} vs "
+                           f"{tuple(ht[0].shape[:2])}); both models must share the tokenizer")
+    return hs, ht, s.attention_mask.bool()
+
+
+def _prep(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    return x.to(dt)
+
+
+def _within_examples(hs, ht, pairs, module, points, mask, parts: dict, **kw) -> torch.Tensor:
+    """Token / span level: Σ over ``pairs`` of the pair + angle losses among ``points(h)`` (B, n', d).
+
+    ``parts`` receives the pair and angle sums (for the module's log).
+    """
+    dt = relation_dtype(hs[0])
+    lp = la = _prep(hs[0], dt).sum() * 0.0  # (no layer pair: 0, still on the graph)
+    for si, ti in pairs:
+        xs = _prep(hs[si], dt)
+        ps = points(module(xs) if module is not None else xs)
+        with torch.no_grad():
+            pt = points(_prep(ht[ti], dt))
+        p, a = structure_losses(ps, pt, mask, **kw)
+        lp, la = lp + p, la + a
+    if kw["pair"]:
+        parts["pair"] = lp
+    if kw["angle"]:
+        parts["angle"] = la
+    return lp + la
+
+
+@register_loss("mgskd_token", needs={"hidden_states"}, module_factory=_factory, check=_check("mgskd_token", False))
+def mgskd_token(s: Features, t: Features, batch, ctx: LossContext, heads: int = 64, k1: int = 20, k2: int = 20,
+                boundary: int = 2, hierarchical: bool = True, project: str = "auto", pair: bool = True,
+                angle: bool = True, huber_beta: float = 1.0) -> torch.Tensor:
+    """MGSKD token level: Σ over layer pairs below M of MSE(pair interactions) + Huber(salient angles)."""
+    hs, ht, mask = _hidden(s, t, "mgskd_token")
+    parts: dict[str, torch.Tensor] = {}
+    with full_precision(hs[0].device):
+        total = _within_examples(hs, ht, _layers(ctx.layer_pairs, boundary, hierarchical, top=False), ctx.module,
+                                 lambda x: x, mask, parts, heads=heads, pair=pair, angle=angle, k1=k1, k2=k2,
+                                 huber_beta=huber_beta)
+    if ctx.module is not None:
+        ctx.module.record(**parts)
+    return total
+
+
+@register_loss("mgskd_span", needs={"hidden_states", "spans"}, teacher_needs={"hidden_states"},
+               module_factory=_factory, check=_check("mgskd_span", False))
+def mgskd_span(s: Features, t: Features, batch, ctx: LossContext, heads: int = 64, k1: int = 20, k2: int = 20,
+               boundary: int = 2, hierarchical: bool = True, project: str = "auto", pair: bool = True,
+               angle: bool = True, huber_beta: float = 1.0, min_spans: int = 3) -> torch.Tensor:
+    """MGSKD span level: as the token level among span means; examples with < min_spans spans left out."""
+    hs, ht, _ = _hidden(s, t, "mgskd_span")
+    spans = s.require("spans").to(hs[0].device)
+    smask = span_mask(spans, min_spans)
+    parts: dict[str, torch.Tensor] = {}
+    with full_precision(hs[0].device):
+        total = _within_examples(hs, ht, _layers(ctx.layer_pairs, boundary, hierarchical, top=False), ctx.module,
+                                 lambda x: span_points(x, spans), smask, parts, heads=heads, pair=pair, angle=angle,
+                                 k1=k1, k2=k2, huber_beta=huber_beta)
+    if ctx.module is not None:
+        ctx.module.record(**parts, examples=smask.any(-1).float().sum())
+    return total
+
+
+@register_loss("mgskd_sample", needs={"hidden_states"}, module_factory=_factory,
+               check=_check("mgskd_sample", True, pair_default=False))
+def mgskd_sample(s: Features, t: Features, batch, ctx: LossContext, heads: int = 64, boundary: int = 2,
+                 hierarchical: bool = True, project: str = "auto", pair: bool = False, angle: bool = True,
+                 huber_beta: float = 1.0) -> torch.Tensor:
+    """MGSKD sample level: Σ over layer pairs from M up of Huber(angles among the batch's mean-pooled
+    samples, all triples, in each of the m heads) [+ MSE(their pair interactions)]."""
+    hs, ht, mask = _hidden(s, t, "mgskd_sample")
+    module = ctx.module
+    dt = relation_dtype(hs[0])
+    with full_precision(hs[0].device):
+        lp = la = _prep(hs[0], dt).sum() * 0.0
+        for si, ti in _layers(ctx.layer_pairs, boundary, hierarchical, top=True):
+            xs = module(_prep(hs[si], dt)) if module is not None else _prep(hs[si], dt)
+            vs = sample_points(xs, mask)  # (B, d)
+            with torch.no_grad():
+                vt = sample_points(_prep(ht[ti], dt), mask)
+            if angle:
+                hs_ = split_heads(vs[None], heads)[0]  # (m, B, d/m): one point set per head
+                ht_ = split_heads(vt[None], heads)[0]
+                ones = torch.ones(hs_.shape[:2], dtype=torch.bool, device=vs.device)
+                la = la + angle_loss(hs_, ht_, ones, loss="huber", window=None, huber_beta=huber_beta)
+            if pair:
+                ones = torch.ones((1, vs.shape[0]), dtype=torch.bool, device=vs.device)
+                with torch.no_grad():
+                    pt = pair_interactions(vt[None], heads)
+                lp = lp + pair_mse(pair_interactions(vs[None], heads), pt, ones)
+        if module is not None:
+            module.record(**({"pair": lp} if pair else {}), **({"angle": la} if angle else {}))
+        return lp + la
+
+
+# ---------------------------------------------------------------------------------------- stage 2
+
+REGRESSION = ("finetune", "kd")
+
+
+def _check_prediction(student_info, teacher_info, layer_pairs, temperature=1.0, regression="finetune") -> None:
+    if regression not in REGRESSION:
+        raise ValueError(f"regression='{regression}' must be finetune (MSE to the gold score, the paper's STS-B "
+                         "setting) or kd (MSE to the teacher's output) (objective.params.regression)")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature={temperature!r} must be > 0 (objective.temperature)")
+
+
+@register_loss("mgskd_prediction", uses_labels=True, check=_check_prediction)
+def mgskd_prediction(s: Features, t: Features, batch, ctx: LossContext, temperature: float = 1.0,
+                     regression: str = "finetune") -> torch.Tensor:
+    """MGSKD stage 2: T²·KL(p_t‖p_s) at temperature T; regression tasks (STS-B): MSE to the gold score
+    (``regression=finetune``, the paper fine-tunes STS-B instead of distilling predictions) or to the
+    teacher's output (``kd``)."""
+    if ctx.regression and regression == "finetune":
+        return F.mse_loss(s.logits.float().view(-1), batch["labels"].float().view(-1))
+    return logit_kd(s, t, batch, ctx, temperature=temperature)
