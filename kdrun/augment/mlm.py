@@ -199,6 +199,11 @@ def naive_candidates(mlm: MaskedLM, ids: Sequence[int], pos: int, m: int) -> lis
     return keep_allowed(mlm, torch.topk(logits, m).indices.tolist())
 
 
+# Padded tokens per batch on CPU. On 60 SST-2 sentences (231 masked inputs, BERT-base, 2 cores) one
+# batch padded to the longest took 55 s, 1k/2k/4k-token batches 35/36/27 s.
+CPU_MAX_TOKENS = 4096
+
+
 def _batches(lengths: np.ndarray, batch_size: int, max_tokens: int) -> list[np.ndarray]:
     """Job indices sorted by input length, cut into batches of <= batch_size jobs and <= max_tokens padded tokens."""
     order = np.argsort(lengths, kind="stable")
@@ -206,7 +211,8 @@ def _batches(lengths: np.ndarray, batch_size: int, max_tokens: int) -> list[np.n
     start = 0
     while start < len(order):
         end = start + 1
-        while end < len(order) and end - start < batch_size and (end - start + 1) * lengths[order[end]] <= max_tokens:
+        while (end < len(order) and end - start < batch_size
+               and (end - start + 1) * lengths[order[end]] <= max_tokens):
             end += 1
         out.append(order[start:end])
         start = end
@@ -226,11 +232,13 @@ def batched_candidates(
 
     ``seqs`` are WordPiece id lists without special tokens. Jobs are sorted by length and run in
     batches of at most ``batch_size`` masked inputs and ``max_tokens`` padded tokens (default
-    ``batch_size * 64``); ``on_batch(n_jobs)`` is called after each batch (progress).
+    :data:`CPU_MAX_TOKENS` on CPU, ``batch_size * 64`` on a GPU): a small token budget keeps the
+    lengths within a batch close, so little compute goes to padding, while a CPU's matrix products
+    are already efficient at a few thousand rows. ``on_batch(n_jobs)`` is called after each batch.
     """
     if not jobs:
         return []
-    max_tokens = max_tokens or batch_size * 64
+    max_tokens = max_tokens or (CPU_MAX_TOKENS if mlm.device.type == "cpu" else batch_size * 64)
     tok = mlm.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     lengths = np.array([2 * min(len(seqs[s]), mlm.max_pieces) + 3 for s, _ in jobs])
