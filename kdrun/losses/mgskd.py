@@ -20,7 +20,8 @@ Relations:
 
 - pair-wise interactions over ``heads`` (m) relation heads: each d-vector is split into m
   sub-vectors of d/m, ``P^h_ij = <r_i^h, r_j^h> / sqrt(d/m)``; MSE over all valid (h, i, j),
-  the diagonal included (a vector's interaction with itself is its scaled squared norm);
+  the diagonal included (a vector's interaction with itself is its scaled squared norm),
+  computed from the heads' small d/m × d/m Gram matrices (never the (B, m, n, n) tensors);
 - triplet angles, one head (the whole vector), ``cos ∠ r_a r_v r_b`` at vertex v, from the Gram
   matrix of the centred points (:mod:`kdrun.losses.relations`' identities, never (n, n, d)
   difference tensors). Tokens and spans use the two-step salient selection, made on the teacher
@@ -71,11 +72,30 @@ def pair_interactions(x: torch.Tensor, m: int) -> torch.Tensor:
     return (h @ h.transpose(-1, -2)) / math.sqrt(x.shape[-1] // m)
 
 
-def pair_mse(ps: torch.Tensor, pt: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """MSE between (B, m, n, n) interactions over entries whose two points are valid (mask (B, n))."""
-    valid = (mask[:, None, :, None] & mask[:, None, None, :]).expand_as(ps)
-    diff = torch.where(valid, ps - pt, torch.zeros_like(ps))
-    return (diff * diff).sum() / valid.sum().clamp_min(1)
+def pair_mse(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, m: int) -> torch.Tensor:
+    """MSE between the m-head interactions of xs (B, n, ds) and xt (B, n, dt) over entries whose two
+    points are valid (mask (B, n)), without forming the (B, m, n, n) matrices.
+
+    Per head, with X zeroed at invalid points, a = ds/m, b = dt/m:
+    ``||X_s X_s^T/√a - X_t X_t^T/√b||² = ||X_s^T X_s||²/a - 2 ||X_s^T X_t||²/√(ab) + ||X_t^T X_t||²/b``,
+    products of (a × a), (a × b), (b × b) matrices: O(n d²/m) instead of O(n² d). The reductions
+    run in fp64 so the cancellation between the three terms stays far below the loss itself.
+    """
+    keep = mask[..., None]
+
+    def cols(x: torch.Tensor) -> torch.Tensor:  # (B, n, d) -> (B, m, d/m, n), contiguous, fp64
+        x = torch.where(keep, x, torch.zeros_like(x)).double()
+        return split_heads(x, m).transpose(-1, -2).contiguous()
+
+    hs = cols(xs)
+    with torch.no_grad():
+        ht = cols(xt)
+        tt = (ht @ ht.transpose(-1, -2)).square().sum() / ht.shape[-2]
+    a, b = hs.shape[-2], ht.shape[-2]
+    ss = (hs @ hs.transpose(-1, -2)).square().sum() / a
+    st = (hs @ ht.transpose(-1, -2)).square().sum() / math.sqrt(a * b)
+    count = m * mask.sum(-1).double().square().sum()
+    return ((ss - 2.0 * st + tt).clamp_min(0.0) / count.clamp_min(1)).to(xs.dtype)
 
 
 def salient_selection(pt: torch.Tensor, mask: torch.Tensor, k1: int, k2: int
@@ -88,11 +108,12 @@ def salient_selection(pt: torch.Tensor, mask: torch.Tensor, k1: int, k2: int
     """
     B, _, n, _ = pt.shape
     a = torch.softmax(pt.masked_fill(~mask[:, None, None, :], _NEG), dim=-1)
-    a = a * mask[:, None, :, None]  # queries that are padding give nothing
-    glob = a.sum((1, 2)).masked_fill(~mask, -math.inf)  # (B, n): attention received
+    heads_sum = a.sum(1)  # (B, n, n): attention query i pays to j, summed over heads
+    heads_sum.mul_(mask[:, :, None])  # queries that are padding give nothing
+    glob = heads_sum.sum(1).masked_fill(~mask, -math.inf)  # (B, n): attention received
     K1, K2 = min(k1, n), max(min(k2, n - 1), 0)
     vscore, vert = glob.topk(K1, dim=-1)
-    local = a.sum(1).gather(1, vert[..., None].expand(B, K1, n))  # (B, K1, n): attention the vertex pays
+    local = heads_sum.gather(1, vert[..., None].expand(B, K1, n))  # (B, K1, n): attention the vertex pays
     ar = torch.arange(n, device=pt.device)
     local = local.masked_fill(~mask[:, None, :] | (ar[None, None, :] == vert[..., None]), -math.inf)
     nscore, nb = local.topk(K2, dim=-1)
@@ -142,13 +163,11 @@ def structure_losses(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, *, 
     """
     zero = xs.sum() * 0.0  # keeps the graph when a part is off or empty
     lp = la = zero
-    need_pt = pair or angle
-    if need_pt:
+    if pair:
+        lp = pair_mse(xs, xt, mask, heads)
+    if angle and xs.shape[1] >= 2:
         with torch.no_grad():
             pt = pair_interactions(xt, heads)
-    if pair:
-        lp = pair_mse(pair_interactions(xs, heads), pt, mask)
-    if angle and xs.shape[1] >= 2:
         vert, nb, valid = salient_selection(pt, mask, k1, k2)
         cs, tri = vertex_angles(xs, mask, vert, nb, valid)
         with torch.no_grad():
@@ -355,9 +374,7 @@ def mgskd_sample(s: Features, t: Features, batch, ctx: LossContext, heads: int =
                 la = la + angle_loss(hs_, ht_, ones, loss="huber", window=None, huber_beta=huber_beta)
             if pair:
                 ones = torch.ones((1, vs.shape[0]), dtype=torch.bool, device=vs.device)
-                with torch.no_grad():
-                    pt = pair_interactions(vt[None], heads)
-                lp = lp + pair_mse(pair_interactions(vs[None], heads), pt, ones)
+                lp = lp + pair_mse(vs[None], vt[None], ones, heads)
         if module is not None:
             module.record(**({"pair": lp} if pair else {}), **({"angle": la} if angle else {}))
         return lp + la
