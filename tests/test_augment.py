@@ -370,6 +370,8 @@ def test_config_group_defaults_and_task_rule():
         settings_from_config(compose(["augmentation=tinybert", "augmentation.p_t=1.5"]).augmentation)
     with pytest.raises(AugmentationError, match=r"augmentation\.params\.colour"):
         settings_from_config(compose(["augmentation=tinybert", "+augmentation.params.colour=1"]).augmentation)
+    with pytest.raises(AugmentationError, match=r"augmentation\.params\.precision"):
+        settings_from_config(compose(["augmentation=tinybert", "augmentation.params.precision=fp8"]).augmentation)
     with pytest.raises(AugmentationError, match="augmentation=tinybert"):
         settings_from_config(compose([]).augmentation)
 

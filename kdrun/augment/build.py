@@ -99,6 +99,9 @@ def settings_from_config(cfg_aug: Any) -> AugmentSettings:
     num_proc = _get(cfg_aug, "num_proc")
     if num_proc is not None and (not isinstance(num_proc, int) or num_proc < 1):
         raise AugmentationError(f"augmentation.num_proc={num_proc!r} must be null or an integer >= 1")
+    precision = str(params.get("precision", "auto"))
+    if precision not in ("auto", "fp32", "bf16", "fp16"):
+        raise AugmentationError(f"augmentation.params.precision={precision!r} must be auto, fp32, bf16 or fp16")
     max_tokens = params.get("max_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise AugmentationError(f"augmentation.params.max_tokens={max_tokens!r} must be null or an integer >= 1")
@@ -113,7 +116,7 @@ def settings_from_config(cfg_aug: Any) -> AugmentSettings:
         batch_size=integer("batch_size", 1),
         num_proc=num_proc,
         copy_labels=bool(_get(cfg_aug, "copy_labels", False)),
-        precision=str(params.get("precision", "auto")),
+        precision=precision,
         max_tokens=max_tokens,
     )
 
@@ -122,11 +125,11 @@ def check_augmentation(cfg_aug: Any) -> AugmentSettings:
     """Pre-flight (no weights loaded): valid settings, a resolvable MLM with a masked-LM head
     declared, an existing vectors file. Offline, an uncached hub MLM fails here within a second."""
     from kdrun.augment.mlm import check_mlm_architecture, resolve_mlm
-    from kdrun.augment.vectors import _check_file
+    from kdrun.augment.vectors import check_vectors_file
 
     s = settings_from_config(cfg_aug)
     if s.word_vectors not in (None, MLM_EMBEDDINGS):
-        _check_file(s.word_vectors)
+        check_vectors_file(s.word_vectors)
     check_mlm_architecture(resolve_mlm(s.mlm), s.mlm)
     return s
 

@@ -100,7 +100,7 @@ def _glove_lines(path: Path, max_vectors: int) -> Iterator[tuple[int, bytes]]:
             yield lineno, line
 
 
-def _check_file(path: str | Path) -> Path:
+def check_vectors_file(path: str | Path) -> Path:
     p = Path(path).expanduser()
     if not p.is_file():
         raise AugmentationError(
@@ -113,14 +113,14 @@ def _check_file(path: str | Path) -> Path:
 def vectors_identity(path: str | Path, max_vectors: int) -> str:
     """Content hash of exactly the lines that are read (the first ``max_vectors`` vectors)."""
     h = hashlib.sha256()
-    for _, line in _glove_lines(_check_file(path), max_vectors):
+    for _, line in _glove_lines(check_vectors_file(path), max_vectors):
         h.update(line)
     return h.hexdigest()[:16]
 
 
 def load_glove(path: str | Path, max_vectors: int, device: torch.device | str = "cpu") -> NeighbourIndex:
     """The alphabetic non-stop-words among the first ``max_vectors`` vectors of a GloVe/word2vec text file."""
-    p = _check_file(path)
+    p = check_vectors_file(path)
     words: list[str] = []
     rows: list[np.ndarray] = []
     dim = None
