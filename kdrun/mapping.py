@@ -179,7 +179,7 @@ class LayerMap(nn.Module):
     """
 
     def __init__(self, strategy: str, rows: Sequence[Row], *, init: str = "uniform", lr_scale: float = 1.0,
-                 seed: int = 0, temperature: float = 1.0, name: str = "map"):
+                 seed: int = 0, temperature: float | str = 1.0, name: str = "map"):
         super().__init__()
         if strategy not in MAPPINGS and strategy != "pairs":
             raise KeyError(f"mapping.name: unknown mapping '{strategy}'. Valid mappings: {valid_mappings()}")
@@ -188,7 +188,7 @@ class LayerMap(nn.Module):
         self.rows = list(rows)
         self.name = name
         self.seed = int(seed)
-        self.temperature = float(temperature)
+        self.temperature = temperature if temperature == "sqrt_d" else float(temperature)
         self.lr_scale = float(lr_scale)
         self._draw: tuple[int, list[tuple[int, int]]] | None = None
         self.last_sample_weights: list[torch.Tensor | None] = [None] * len(self.rows)
@@ -279,13 +279,16 @@ class LayerMap(nn.Module):
 
     def attention_weights(self, student_rep: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
         """ALP-KD's α: softmax over the bucket of dot products h_s · h_t^k (per example / token),
-        divided by ``mapping.params.temperature`` (1 = the paper). ``stacked``: (..., k, d)."""
+        divided by ``mapping.params.temperature``: 1 = the paper's plain dot product, ``sqrt_d`` =
+        sqrt(d) as in scaled dot-product attention (with real BERT [CLS] vectors the plain dot products
+        differ by tens, so the paper's weights are one-hot). ``stacked``: (..., k, d)."""
         if student_rep.shape[-1] != stacked.shape[-1]:
             raise ValueError(
                 f"mapping=attention compares student and teacher vectors by dot product, but their widths are "
                 f"{student_rep.shape[-1]} and {stacked.shape[-1]}; use a student of the teacher's width")
         dtype = torch.promote_types(torch.promote_types(student_rep.dtype, stacked.dtype), torch.float32)
-        logits = torch.einsum("...d,...kd->...k", student_rep.to(dtype), stacked.to(dtype)) / self.temperature
+        temperature = stacked.shape[-1] ** 0.5 if self.temperature == "sqrt_d" else self.temperature
+        logits = torch.einsum("...d,...kd->...k", student_rep.to(dtype), stacked.to(dtype)) / temperature
         return logits.softmax(-1)
 
     # ---- logging
@@ -337,14 +340,19 @@ class MappingSpec(MappingConfig):
             raise ValueError(f"mapping.init='{self.init}' must be one of {', '.join(INITS)}")
         if self.lr is not None and not float(self.lr) > 0:
             raise ValueError(f"mapping.lr={self.lr} must be a positive learning rate (or null = the stage's)")
-        unknown = set(self.params) - STRATEGY_PARAMS.get(self.name, set())
+        # uniform, the group's default, also carries the parameters of the maps terms choose themselves
+        # (objective=alp's attention map reads mapping.params.temperature)
+        known = STRATEGY_PARAMS.get(self.name, set())
+        if self.name == "uniform":
+            known = set().union(*STRATEGY_PARAMS.values())
+        unknown = set(self.params) - known
         if unknown:
-            allowed = sorted(STRATEGY_PARAMS.get(self.name, set())) or "none"
+            allowed = sorted(known) or "none"
             raise ValueError(f"mapping.params: mapping '{self.name}' has no parameter(s) {sorted(unknown)}; "
                              f"it accepts {allowed}")
         t = self.params.get("temperature", 1.0)
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-            raise ValueError(f"mapping.params.temperature={t!r} must be a number > 0")
+        if t != "sqrt_d" and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise ValueError(f"mapping.params.temperature={t!r} must be a number > 0 or sqrt_d")
 
     def build(self, student_layers: int, teacher_layers: int, *, exclude_last: bool = False,
               stage_lr: float | None = None, name: str = "map") -> LayerMap:
@@ -354,4 +362,4 @@ class MappingSpec(MappingConfig):
                           buckets=self.buckets, exclude_last=exclude_last)
         scale = float(self.lr) / float(stage_lr) if self.lr is not None and stage_lr else 1.0
         return LayerMap(self.name, rows, init=self.init, lr_scale=scale, seed=self.seed,
-                        temperature=float(self.params.get("temperature", 1.0)), name=name)
+                        temperature=self.params.get("temperature", 1.0), name=name)

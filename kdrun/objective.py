@@ -123,9 +123,14 @@ def map_kinds(spec: LossSpec) -> frozenset[str]:
 class Objective(nn.Module):
     """Computes a stage's weighted loss; owns the learnable parts of all loss terms and the layer maps.
 
-    ``mapping`` is a :class:`~kdrun.mapping.MappingSpec` (the ``mapping`` group; maps are built for
-    the models' depths, one per distinct set of matched student layers: terms with
-    ``match_last: false`` leave the student's last layer out) or explicit (student, teacher) pairs.
+    ``mapping`` is a :class:`~kdrun.mapping.MappingSpec` (the ``mapping`` group) or explicit
+    (student, teacher) pairs. Maps are built for the models' depths and shared by the terms that use
+    the same one; a term gets its own map when it leaves the student's last layer out
+    (``match_last: false``) or names its paper's map (``mapping`` / ``buckets`` params, applied while
+    the group is at its default ``uniform``). A term must handle its map's kind (one-to-one, weighted,
+    per-example, concatenation): terms that only read ``ctx.layer_pairs`` get one-to-one maps only.
+    Learnable parts (projections, θ) are parameters of this module: the trainer optimises
+    :meth:`stage_parameters` and checkpoints the module's state.
     """
 
     def __init__(

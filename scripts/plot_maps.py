@@ -46,7 +46,7 @@ def plot_weights(name: str, weights: dict, out: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     students = sorted(weights)
-    fig, axes = plt.subplots(1, len(students), figsize=(4.2 * len(students), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(students), figsize=(max(6.5, 4.2 * len(students)), 3.6), squeeze=False)
     for ax, s in zip(axes[0], students):
         for j, t in enumerate(sorted(weights[s])):
             steps, vals = zip(*sorted(weights[s][t]))
@@ -90,6 +90,7 @@ def plot_alp(run_dir: Path, results: dict, out: Path, n_examples: int, seed: int
     from transformers import AutoModel, AutoTokenizer
 
     from kdrun.data.sources import load_task_data
+    from kdrun.mapping import LayerMap, Row
 
     config = results["config"]
     rows = alp_rows(results)
@@ -106,15 +107,15 @@ def plot_alp(run_dir: Path, results: dict, out: Path, n_examples: int, seed: int
               max_length=int(task.max_seq_length))
     student = AutoModel.from_pretrained(run_dir / "student").eval()
     teacher = AutoModel.from_pretrained(results["teacher"]["path"]).eval()
-    temperature = float((config.get("mapping", {}).get("params") or {}).get("temperature", 1.0))
+    temperature = (config.get("mapping", {}).get("params") or {}).get("temperature", 1.0)
+    alp = LayerMap("attention", [Row(s, tuple(b)) for s, b in rows], temperature=temperature)
     with torch.no_grad():
         hs = student(**enc, output_hidden_states=True).hidden_states
         ht = teacher(**enc, output_hidden_states=True).hidden_states
     fig, axes = plt.subplots(1, len(rows), figsize=(5.5 * len(rows), 0.45 * n_examples + 1.8), squeeze=False)
     for ax, (s, bucket) in zip(axes[0], rows):
-        cls_s = hs[s][:, 0].float()
         cls_t = torch.stack([ht[t][:, 0].float() for t in bucket], dim=1)  # (N, k, d)
-        alpha = (torch.einsum("nd,nkd->nk", cls_s, cls_t) / temperature).softmax(-1)
+        alpha = alp.attention_weights(hs[s][:, 0].float(), cls_t)
         im = ax.imshow(alpha.numpy(), cmap="Blues", vmin=0, vmax=1, aspect="auto")
         ax.set_xticks(range(len(bucket)), [f"$h_T^{{{t}}}$" for t in bucket])
         ax.set_yticks(range(len(idx)), [f"Example-{i + 1}" for i in range(len(idx))], fontsize=7)

@@ -440,6 +440,8 @@ def test_objectives_choose_their_maps_unless_the_group_is_chosen() -> None:
     assert objective_for("objective=alp", "objective.params.buckets=po", s={"layers": 4, "hidden": 32, "heads": 2},
                          t={"layers": 12, "hidden": 32, "heads": 2}).layer_pairs == \
         [[0, [0]], [1, [1, 2, 3, 4, 5]], [2, [5, 6, 7, 8, 9]], [3, [9, 10, 11, 12]]]
+    assert objective_for("objective=alp", "+mapping.params.temperature=sqrt_d").maps[
+        "map_attention_nolast"].temperature == "sqrt_d"
     assert objective_for("objective=alp", "mapping=mean").maps["map_nolast"].strategy == "mean"
     assert objective_for("objective=alp", "objective.params.mapping=null").maps["map_nolast"].strategy == "uniform"
     assert objective_for("objective=pkd").layer_pairs == [[0, 0], [1, 3]]  # PKD-skip, last layer unmatched

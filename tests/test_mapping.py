@@ -233,3 +233,10 @@ def test_mean_attention_and_concat_targets_by_hand() -> None:
     assert sum(att.log_values().values()) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="needs the student's representation"):
         att.target(0, lambda t: reps[t])
+    # sqrt_d: scaled dot products, as attention in a transformer (d = 4 here, so T = 2 as above)
+    scaled = LayerMap("attention", rows, temperature="sqrt_d")
+    assert torch.allclose(scaled.target(1, lambda t: reps[t], student_rep=hs), got)
+    MappingSpec(name="attention", params={"temperature": "sqrt_d"}).check()
+    MappingSpec(name="uniform", params={"temperature": 5.0}).check()  # for a term's own attention map
+    with pytest.raises(ValueError, match="temperature='hot' must be a number > 0 or sqrt_d"):
+        MappingSpec(name="attention", params={"temperature": "hot"}).check()
