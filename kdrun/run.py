@@ -42,6 +42,10 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
                     "(for ALP: beta = 1 - eta - lambda must be ≥ 0); choose weights that keep it non-negative")
     if cfg.mapping.name not in MAPPINGS:
         raise ConfigError(f"mapping.name='{cfg.mapping.name}' is unknown; valid: {', '.join(sorted(MAPPINGS))}")
+    try:  # mapping keys (buckets, init, lr, params) before any data or model loads
+        MappingSpec.from_config(cfg.mapping, seed=cfg.train.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _plan_augmentation(cfg, plans)
     if cfg.train.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"train.device='{cfg.train.device}' must be auto, cpu or cuda")

@@ -240,3 +240,12 @@ def test_mean_attention_and_concat_targets_by_hand() -> None:
     MappingSpec(name="uniform", params={"temperature": 5.0}).check()  # for a term's own attention map
     with pytest.raises(ValueError, match="temperature='hot' must be a number > 0 or sqrt_d"):
         MappingSpec(name="attention", params={"temperature": "hot"}).check()
+
+
+def test_mapping_typos_fail_before_any_model_loads(run_cfg) -> None:
+    from kdrun.run import ConfigError, preflight
+
+    with pytest.raises(ConfigError, match="mapping.buckets='nope'"):
+        preflight(run_cfg("mapping=mean", "mapping.buckets=nope"))
+    with pytest.raises(ConfigError, match="mapping.init="):
+        preflight(run_cfg("mapping=learnable", "mapping.init=middle"))

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from kdrun.config import sweep_name
-from tests.conftest import REPO, TINY, TOY
+from tests.conftest import TINY, TOY
 
 
 def env_for(tmp: Path) -> dict[str, str]:
@@ -142,7 +142,8 @@ def test_killed_sweep_job_resumes_to_the_same_result(tmp_path: Path) -> None:
 
     r = kdrun(work, "-m", *LONG)
     assert f"resuming at stage 0 step {state['global_step']}" in r.stdout
-    mine, theirs = json.loads((job / "results.json").read_text()), json.loads((ref / "run" / "results.json").read_text())
+    mine = json.loads((job / "results.json").read_text())
+    theirs = json.loads((ref / "run" / "results.json").read_text())
     assert mine["student"]["metrics"] == theirs["student"]["metrics"]
     assert_same_weights(weights(job), weights(ref / "run"), atol=1e-6)
 
@@ -207,3 +208,4 @@ def test_every_sweep_preset_sweeps_existing_keys(preset: str) -> None:
         assert OmegaConf.select(cfg, key, default=absent) is not absent, f"sweep={preset}: no key {key}"
     if preset == "optuna":
         assert cfg.hydra.sweeper.direction == "maximize" and "optuna.db" in cfg.hydra.sweeper.storage
+
