@@ -186,7 +186,8 @@ def test_optuna_study_resumes_in_its_sweep_dir(tmp_path: Path) -> None:
     finished = [json.loads(p.read_text()) for p in result_files(sweeps[0])]
     values = sorted(r["student"]["metrics"]["validation"]["accuracy"] for r in finished)
     assert sorted({t.value for t in trials}) == sorted(set(values))
-    assert 3 <= len(finished) <= 5  # repeated suggestions reuse their finished job directory
+    # the continued study proposed new points (a fixed sampler seed would repeat its first ones)
+    assert len(finished) == 5
 
 
 @pytest.mark.parametrize("preset", ["seeds", "optuna", "ckd_grid", "ckd_grid_emnlp", "alp_grid", "tinybert_grid"])
