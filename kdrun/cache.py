@@ -34,19 +34,24 @@ def file_fingerprint(path: str | os.PathLike) -> dict[str, Any]:
     return {str(q.relative_to(p) if p.is_dir() else q.name): [q.stat().st_size, int(q.stat().st_mtime)] for q in files}
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary sibling file and a rename (never half-written)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False, default=str)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str))
 
 
 def replace_dir(tmp_dir: Path, final_dir: Path) -> None:

@@ -15,14 +15,14 @@ import csv
 import io
 import json
 import math
-import os
 import statistics
 import sys
-import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
+
+from kdrun.cache import write_text_atomic
 
 # Config keys that never distinguish one experimental setting from another.
 IGNORED_PREFIXES = (
@@ -78,17 +78,6 @@ class Cell:
 
 # ------------------------------------------------------------------------------------ collecting
 
-def write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     if isinstance(obj, dict):
@@ -103,8 +92,8 @@ def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _ignored(key: str) -> bool:
-    return any(key == p or key.startswith(p if p.endswith(".") else p + ".") or key == p.rstrip(".")
-               for p in IGNORED_PREFIXES)
+    bases = (p.rstrip(".") for p in IGNORED_PREFIXES)
+    return any(key == b or key.startswith(b + ".") for b in bases)
 
 
 def load_run(path: Path, row_keys: Iterable[str] = ()) -> RunRecord:
@@ -181,6 +170,14 @@ def swept_keys(runs: list[RunRecord]) -> list[str]:
     return out
 
 
+def group_by_setting(runs: list[RunRecord], keys: list[str]) -> dict[str, list[RunRecord]]:
+    """Runs keyed by their values of ``keys`` (a JSON object, so it can be read back)."""
+    groups: dict[str, list[RunRecord]] = defaultdict(list)
+    for r in runs:
+        groups[json.dumps({k: r.flat.get(k) for k in keys}, sort_keys=True, default=str)].append(r)
+    return groups
+
+
 def build_cells(runs: list[RunRecord]) -> tuple[dict[tuple, dict[str, Cell]], dict[tuple, list[str]]]:
     """cells[row][task] = the best setting by mean dev score; also the swept keys per row."""
     by_row_task: dict[tuple, dict[str, list[RunRecord]]] = defaultdict(lambda: defaultdict(list))
@@ -194,9 +191,7 @@ def build_cells(runs: list[RunRecord]) -> tuple[dict[tuple, dict[str, Cell]], di
         for task, rs in tasks.items():
             keys = swept_keys(rs)
             row_swept.update(keys)
-            groups: dict[str, list[RunRecord]] = defaultdict(list)
-            for r in rs:
-                groups[json.dumps({k: r.flat.get(k) for k in keys}, sort_keys=True, default=str)].append(r)
+            groups = group_by_setting(rs, keys)
             best_key = max(groups, key=lambda g: (statistics.fmean(x.value for x in groups[g]), len(groups[g])))
             chosen = sorted(groups[best_key], key=lambda r: r.seed)
             cells[row][task] = Cell(values=[r.value for r in chosen], setting=json.loads(best_key), runs=chosen,
@@ -252,13 +247,26 @@ def _setting_text(setting: dict[str, Any]) -> str:
 
 # ------------------------------------------------------------------------------------------ plots
 
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
 def plot_sweeps(runs: list[RunRecord], out: Path) -> list[Path]:
     """Metric vs each swept hyperparameter per (task, row): a line (best over the other swept keys,
     mean ± std over seeds) per key, and a heatmap when exactly two keys were swept."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     written = []
     groups: dict[tuple, list[RunRecord]] = defaultdict(list)
@@ -270,9 +278,7 @@ def plot_sweeps(runs: list[RunRecord], out: Path) -> list[Path]:
             continue
         metric = rs[0].metric
         # mean over seeds for each full setting
-        settings: dict[str, list[RunRecord]] = defaultdict(list)
-        for r in rs:
-            settings[json.dumps({k: r.flat.get(k) for k in keys}, sort_keys=True, default=str)].append(r)
+        settings = group_by_setting(rs, keys)
         means = {s: statistics.fmean(x.value for x in v) for s, v in settings.items()}
         stds = {s: statistics.stdev([x.value for x in v]) if len(v) > 1 else 0.0 for s, v in settings.items()}
         label = "-".join([task, *row]).replace("/", "_").replace("=", "_")
@@ -295,11 +301,7 @@ def plot_sweeps(runs: list[RunRecord], out: Path) -> list[Path]:
             ax.set_ylabel(f"dev {metric} (best over other keys)")
             ax.grid(alpha=0.3)
         fig.suptitle(f"{task} · {' · '.join(row)}")
-        fig.tight_layout()
-        path = out / f"sweep_{label}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out / f"sweep_{label}.png"))
         if len(keys) == 2:
             k1, k2 = keys
             v1 = sorted({json.loads(s)[k1] for s in settings}, key=str)
@@ -320,20 +322,13 @@ def plot_sweeps(runs: list[RunRecord], out: Path) -> list[Path]:
                         ax.text(j, i, f"{grid[i][j]:.3f}", ha="center", va="center", color="w", fontsize=8)
             fig.colorbar(im, label=f"dev {metric}")
             ax.set_title(f"{task} · {' · '.join(row)}")
-            fig.tight_layout()
-            path = out / f"heatmap_{label}.png"
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            written.append(path)
+            written.append(_save(fig, out / f"heatmap_{label}.png"))
     return written
 
 
 def plot_seed_spread(cells: dict[tuple, dict[str, Cell]], tasks: list[str], out: Path, scale: float) -> Path | None:
     """Per task, the per-seed dev scores of each row's chosen setting (points, mean as a bar)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     rows = sorted(cells)
     if not rows:
@@ -355,11 +350,7 @@ def plot_seed_spread(cells: dict[tuple, dict[str, Cell]], tasks: list[str], out:
         hi = max((v * scale for r in rows if task in cells[r] for v in cells[r][task].values), default=1)
         ax.set_ylim(lo - 0.1 * (hi - lo + 1), hi + 0.1 * (hi - lo + 1))
         ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path = out / "seed_spread.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "seed_spread.png")
 
 
 def _train_losses(run_dir: Path) -> tuple[list[int], list[float]]:
@@ -380,10 +371,7 @@ def _train_losses(run_dir: Path) -> tuple[list[int], list[float]]:
 def plot_curves(cells: dict[tuple, dict[str, Cell]], tasks: list[str], out: Path) -> list[Path]:
     """Training curves of the chosen runs: dev metric per evaluation (results.json) and training
     loss (metrics.jsonl when present), one figure per task."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     written = []
     for task in tasks:
@@ -413,11 +401,7 @@ def plot_curves(cells: dict[tuple, dict[str, Cell]], tasks: list[str], out: Path
         if any_loss:
             ax_l.set_yscale("log")
             ax_l.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / f"curves_{task}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out / f"curves_{task}.png"))
     return written
 
 
