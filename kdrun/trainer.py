@@ -263,9 +263,10 @@ def _stop_requested(parts: RunParts) -> bool:
 
         t = torch.tensor([1.0 if flag else 0.0], device=parts.accelerator.device)
         dist.all_reduce(t)
-        if t.item() > 0 and not flag:
-            parts.guard.received = parts.guard.received or int(signal.SIGTERM)  # signalled elsewhere
-        flag = bool(t.item() > 0)
+        anywhere = t.item() > 0
+        if anywhere and not flag:  # another process was signalled: stop here too, as for SIGTERM
+            parts.guard.received = int(signal.SIGTERM)
+        flag = anywhere
     return flag
 
 
