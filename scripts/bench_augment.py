@@ -23,9 +23,11 @@ and the real input lengths), measures this machine's throughput on one large mat
 (4096 x hidden by hidden x intermediate) in each precision, and prints the ceiling: the speed-up the
 batched way would reach if all its arithmetic ran at that large-product rate while the naive way
 keeps its measured rate. On a CPU that ceiling is small (the naive way's batch-1 products already
-run near the machine's rate); on a GPU the naive way is bound by kernel launches instead. ``--precision bf16`` runs the batched way under bf16
-autocast (faster on CPUs with AVX512-BF16/AMX and on GPUs; candidates may then differ near ties);
-the naive way always runs in fp32, as the original did.
+run near the machine's rate); on a GPU the naive way is bound by kernel launches instead.
+
+``--precision bf16`` runs the batched way under bf16 autocast (faster on CPUs with AVX512-BF16/AMX
+and on GPUs; candidates may then differ near ties); the naive way always runs in fp32, as the
+original did.
 """
 
 from __future__ import annotations
