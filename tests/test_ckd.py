@@ -20,7 +20,7 @@ from kdrun.features import Features
 from kdrun.losses import get_loss
 from kdrun.losses.registry import LossContext
 from kdrun.losses.relations import angle_loss, angle_matrix, pair_loss, pair_relation
-from tests.conftest import REPO, TINY, compose
+from tests.conftest import TINY, compose, load_script
 
 LOSSES = ["mse", "l1", "huber", "kl"]
 PAIR_OPTIONS = [("l2", False), ("l2", True), ("cosine", False)]
@@ -409,11 +409,7 @@ def test_ckd_run_logs_each_term(tmp_path: Path, shared_cache: Path) -> None:
     assert {f"train/{t}" for t in TERMS} | {"train/ce", "train/logit_kd"} <= keys
     assert [list(p) for p in out["layer_pairs"]] == [[0, 0], [1, 2], [2, 4]]
     # the relations picture from the saved student and teacher
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("plot_relations", REPO / "scripts" / "plot_relations.py")
-    plot = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plot)
+    plot = load_script("plot_relations")
     png = plot.main(["--student", str(tmp_path / "a" / "student"), "--teacher", out["teacher"]["path"],
                      "--sentence", "the film is good and the plot is fine", "--out", str(tmp_path / "rel.png")])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

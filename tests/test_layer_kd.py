@@ -5,7 +5,6 @@ every objective end to end with tiny models (plus the map pictures)."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import itertools
 import json
 import math
@@ -20,7 +19,7 @@ from kdrun.losses import LossContext, get_loss
 from kdrun.mapping import LayerMap, MappedPairs, Row, pairs_map
 from kdrun.objective import Objective, plan_stages
 from kdrun.trainer import _clone_features
-from tests.conftest import REPO, TINY, compose
+from tests.conftest import TINY, compose, load_script
 
 OBJECTIVES = ["pkd", "distilbert", "tinybert", "minilm", "minilmv2", "alp", "comb"]
 
@@ -508,13 +507,6 @@ def test_objective_end_to_end(objective, tmp_path: Path, shared_cache: Path) -> 
     assert 0.0 <= out["student"]["metrics"]["validation"]["accuracy"] <= 1.0
 
 
-def _plot_maps():
-    spec = importlib.util.spec_from_file_location("plot_maps", REPO / "scripts" / "plot_maps.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_learnable_map_run_logs_theta_checkpoints_it_and_plots(tmp_path: Path, shared_cache: Path) -> None:
     from safetensors.torch import load_file
 
@@ -528,7 +520,7 @@ def test_learnable_map_run_logs_theta_checkpoints_it_and_plots(tmp_path: Path, s
     assert last["objective/map/s1/t1"] != pytest.approx(0.5, abs=1e-4)  # θ moved from its uniform start
     saved = load_file(str(run_dir / "checkpoints" / "last" / "objective.safetensors"))
     assert saved["maps.map.phi"].shape == (3, 2)  # rows: embeddings (one choice), (1, 2), (3, 4)
-    written = _plot_maps().main([str(run_dir), "--out", str(tmp_path / "pics")])
+    written = load_script("plot_maps").main([str(run_dir), "--out", str(tmp_path / "pics")])
     assert [p.name for p in written] == ["map_weights.png"]
     assert written[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -537,7 +529,7 @@ def test_alp_run_plots_attention_per_example(tmp_path: Path, shared_cache: Path)
     run_dir = tmp_path / "alp"
     out, lines = _run(run_dir, shared_cache, "objective=alp")
     assert any("objective/map_attention_nolast/s1/t4" in line for line in lines)
-    written = _plot_maps().main([str(run_dir), "--examples", "5"])
+    written = load_script("plot_maps").main([str(run_dir), "--examples", "5"])
     assert sorted(p.name for p in written) == ["alp_attention.png", "map_attention_nolast_weights.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
     assert OmegaConf.create(out["config"]).mapping.name == "uniform"  # the objective chose attention itself
