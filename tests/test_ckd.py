@@ -63,6 +63,12 @@ def naive_triple_valid(mask: torch.Tensor, window: int | None) -> torch.Tensor:
 
 
 def naive_match(rs: torch.Tensor, rt: torch.Tensor, valid: torch.Tensor, loss: str, beta: float) -> torch.Tensor:
+    total, count = naive_match_sum(rs, rt, valid, loss, beta)
+    return total / count
+
+
+def naive_match_sum(rs, rt, valid, loss, beta):
+    """(summed loss over the valid entries, its mean denominator: entries, or rows for kl)."""
     if loss == "kl":
         m = rs.shape[-1]
         rs, rt, valid = rs.reshape(-1, m), rt.reshape(-1, m), valid.reshape(-1, m)
@@ -73,7 +79,7 @@ def naive_match(rs: torch.Tensor, rt: torch.Tensor, valid: torch.Tensor, loss: s
                 log_ps, log_pt = F.log_softmax(rs[r][v], -1), F.log_softmax(rt[r][v], -1)
                 total = total + (log_pt.exp() * (log_pt - log_ps)).sum()
                 rows += 1
-        return total / rows
+        return total, rows
     d = (rs - rt)[valid]
     if loss == "mse":
         err = d**2
@@ -81,7 +87,30 @@ def naive_match(rs: torch.Tensor, rt: torch.Tensor, valid: torch.Tensor, loss: s
         err = d.abs()
     else:
         err = torch.where(d.abs() < beta, 0.5 * d**2 / beta, d.abs() - 0.5 * beta)
-    return err.sum() / valid.sum()
+    return err.sum(), valid.sum()
+
+
+def naive_official_count(mask: torch.Tensor, window: int | None, order: int) -> int:
+    """The official code's mask entries, enumerated: each valid point owns its neighbour slots
+    (all valid points with no window; positions j-δ..j+δ clamped to the sentence, duplicates and
+    the point itself included, with one), and each slot tuple of ``order - 1`` counts once."""
+    count = 0
+    for p in range(mask.shape[0]):
+        real = [j for j in range(mask.shape[1]) if mask[p, j]]
+        for j in real:
+            slots = real if window is None else [min(max(j + o, 0), len(real) - 1) for o in range(-window, window + 1)]
+            count += len(list(itertools.product(slots, repeat=order - 1)))
+    return count
+
+
+def naive_official_pair_sum(xs, xt, mask, phi, loss, window, beta=1.0):
+    valid = naive_pair_valid(mask, window)
+    return naive_match_sum(naive_pair_relation(xs, phi), naive_pair_relation(xt, phi), valid, loss, beta)[0]
+
+
+def naive_official_angle_sum(xs, xt, mask, loss, window, beta=1.0):
+    valid = naive_triple_valid(mask, window)
+    return naive_match_sum(naive_angles(xs), naive_angles(xt), valid, loss, beta)[0]
 
 
 def naive_pair_loss(xs, xt, mask, phi, normalize, loss, window, beta=1.0):
@@ -192,6 +221,65 @@ def test_terms_match_naive(name, params) -> None:
     ours = call(name, s, t, ctx, **params)
     for x in hs:
         assert_close_with_grad(ours, ref, x)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("window", [None, 1, 3])
+def test_official_reduction_kernels_match_naive(loss, window) -> None:
+    xs, xt, mask = point_sets()  # padding, and a 3-token sentence shorter than the windows
+    pair = pair_loss(xs, xt, mask, phi="cosine", loss=loss, window=window, huber_beta=0.5, reduction="official")
+    ref = naive_official_pair_sum(xs, xt, mask, "cosine", loss, window, 0.5) / naive_official_count(mask, window, 2)
+    assert_close_with_grad(pair, ref, xs, rtol=1e-6)
+    angle = angle_loss(xs, xt, mask, loss=loss, window=window, huber_beta=0.5, reduction="official")
+    ref = naive_official_angle_sum(xs, xt, mask, loss, window, 0.5) / naive_official_count(mask, window, 3)
+    assert_close_with_grad(angle, ref, xs, rtol=1e-6)
+
+
+@pytest.mark.parametrize("window_pair,window_angle", [(None, 2), (None, None), (1, 3)])
+def test_official_reduction_terms_match_naive(window_pair, window_angle) -> None:
+    """One pooled mean per term over all aligned layers and the batch (the official scale)."""
+    s, t, ctx = features()  # 3 aligned layer pairs, padded sentences of 8, 5 and 2 tokens
+    mask = s.attention_mask.bool()
+    hs, ht = s.hidden_states, t.hidden_states
+    L = len(ctx.layer_pairs)
+    wr_pair = sum(naive_official_pair_sum(hs[a], ht[b], mask, "cosine", "kl", window_pair)
+                  for a, b in ctx.layer_pairs) / (L * naive_official_count(mask, window_pair, 2))
+    wr_angle = sum(naive_official_angle_sum(hs[a], ht[b], mask, "mse", window_angle)
+                   for a, b in ctx.layer_pairs) / (L * naive_official_count(mask, window_angle, 3))
+    xs = naive_token_layers(hs, [a for a, _ in ctx.layer_pairs], mask)
+    xt = naive_token_layers(ht, [b for _, b in ctx.layer_pairs], mask)
+    ones = torch.ones(xs.shape[:2], dtype=torch.bool)
+    tokens = int(mask.sum())
+    assert naive_official_count(ones, None, 2) == tokens * L**2 and naive_official_count(ones, None, 3) == tokens * L**3
+    ltr_pair = naive_official_pair_sum(xs, xt, ones, "cosine", "kl", None) / (tokens * L**2)
+    ltr_angle = naive_official_angle_sum(xs, xt, ones, "mse", None) / (tokens * L**3)
+    ours = {
+        "ckd_wr_pair": call("ckd_wr_pair", s, t, ctx, loss="kl", window=window_pair, reduction="official"),
+        "ckd_wr_angle": call("ckd_wr_angle", s, t, ctx, loss="mse", window=window_angle, reduction="official"),
+        "ckd_ltr_pair": call("ckd_ltr_pair", s, t, ctx, loss="kl", reduction="official"),
+        "ckd_ltr_angle": call("ckd_ltr_angle", s, t, ctx, loss="mse", reduction="official"),
+    }
+    refs = {"ckd_wr_pair": wr_pair, "ckd_wr_angle": wr_angle, "ckd_ltr_pair": ltr_pair, "ckd_ltr_angle": ltr_angle}
+    for name, value in ours.items():
+        for x in hs[1:]:  # the embeddings (layer 0) are aligned too; the upper layers carry gradients
+            assert_close_with_grad(value, refs[name], x, rtol=1e-6)
+
+
+def test_official_scale_relative_to_mean() -> None:
+    """Hand-checkable: one unpadded 4-token sentence, one layer, mse on pairs: the official count
+    n^2 = 16 includes the 4 diagonal entries that the mean's 12 excludes."""
+    g = torch.Generator().manual_seed(3)
+    xs = torch.randn(1, 4, 5, generator=g, dtype=torch.float64)
+    xt = torch.randn(1, 4, 7, generator=g, dtype=torch.float64)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    mean = pair_loss(xs, xt, mask, phi="l2", loss="mse")
+    official = pair_loss(xs, xt, mask, phi="l2", loss="mse", reduction="official")
+    assert official.item() == pytest.approx(mean.item() * 12 / 16, rel=1e-12)
+    # windowed angles: each of the 4 vertices owns (2*1+1)^2 = 9 slots; the mean counts the true
+    # neighbour triples: vertices 0 and 3 have 1 neighbour (1 triple), 1 and 2 have 2 (4 triples)
+    mean = angle_loss(xs, xt, mask, loss="mse", window=1)
+    official = angle_loss(xs, xt, mask, loss="mse", window=1, reduction="official")
+    assert official.item() == pytest.approx(mean.item() * 10 / 36, rel=1e-12)
 
 
 def test_fp32_kernels_match_fp64_naive_far_from_origin() -> None:
@@ -341,6 +429,8 @@ def test_fp32_under_autocast() -> None:
         ("ckd_wr_angle", dict(window=0), [(0, 0), (1, 2)], "window"),
         ("ckd_wr_angle", dict(window=2.5), [(0, 0), (1, 2)], "window"),
         ("ckd_ltr_angle", dict(), [(1, 2)], "ltr_angle=false"),
+        ("ckd_wr_pair", dict(reduction="pooled"), [(0, 0), (1, 2)], "objective.params.reduction"),
+        ("ckd_ltr_angle", dict(reduction="sum"), [(0, 0), (1, 2)], "reduction"),
     ],
 )
 def test_bad_settings_fail_clearly(name, params, layer_pairs, match) -> None:
@@ -369,16 +459,42 @@ def test_objective_weights_and_switches() -> None:
     assert set(weights("objective.params.lambda_ckd=0")) == {"ce", "logit_kd"}
 
 
-def test_presets_resolve_to_official_values() -> None:
-    cfg = compose(["experiment=ckd_sst2"])
-    obj = OmegaConf.to_container(cfg.objective, resolve=True)
-    stage = obj["stages"][0]
-    w = {t["name"]: t["weight"] for t in stage["losses"]}
-    assert (cfg.task.name, obj["alpha"], obj["temperature"], stage["lr"], stage["epochs"]) == ("sst2", 0.9, 4, 4e-5, 4)
-    assert w["ckd_wr_pair"] == pytest.approx(100) and w["ckd_wr_angle"] == pytest.approx(1000)  # wr_dist, wr_angle
+# (alpha, T, wr_dist, wr_angle, lr, epochs) of the authors' per-task config for their 6-layer student
+OFFICIAL = {"cola": (.7, 3, 1, 10, 5e-5, 4), "sst2": (.9, 4, 100, 1000, 4e-5, 4), "rte": (.9, 3, 1, 10, 5e-5, 6),
+            "qnli": (.9, 3, 10, 1, 4e-5, 4), "mrpc": (.7, 4, 1, 1, 3e-5, 4), "stsb": (.9, 1, .1, .1, 5e-5, 4),
+            "mnli": (.7, 4, 100, 1, 4e-5, 4), "qqp": (.9, 2, 10, 10, 5e-5, 4)}
+
+
+@pytest.mark.parametrize("task", sorted(OFFICIAL))
+def test_presets_are_the_authors_training(task) -> None:
+    from kdrun.objective import plan_stages
+
+    cfg = compose([f"experiment=ckd_{task}"])
+    alpha, temp, wr_dist, wr_angle, lr, epochs = OFFICIAL[task]
+    (plan,) = plan_stages(cfg.objective)
+    w = {t.key: t.weight for t in plan.terms}
+    # CE + CKD, no logit-KD term, LTR at weight 1
+    assert w == pytest.approx({"ce": 1.0, "ckd_wr_pair": wr_dist, "ckd_wr_angle": wr_angle,
+                               "ckd_ltr_pair": 1.0, "ckd_ltr_angle": 1.0})
+    params = {t.key: t.params for t in plan.terms}
+    assert {p["reduction"] for k, p in params.items() if k.startswith("ckd")} == {"official"}
+    assert params["ckd_wr_pair"]["window"] is None and params["ckd_wr_angle"]["window"] == 10
+    assert (params["ckd_wr_pair"]["phi"], params["ckd_wr_pair"]["loss"], params["ckd_wr_angle"]["loss"]) == \
+        ("cosine", "kl", "mse")
+    st = plan.cfg
+    assert (st["lr"], st["epochs"], st["batch_size"], st["warmup_ratio"], st["weight_decay"]) == (lr, epochs, 32, 0, 0)
+    assert (cfg.task.name, cfg.task.max_seq_length, cfg.train.max_grad_norm) == (task, 128, 1.0)
+    assert (cfg.objective.alpha, cfg.objective.temperature) == (alpha, temp)  # recorded, unused
+    assert (cfg.teacher.name, cfg.student.name, cfg.mapping.name) == ("bert_base", "bert_L6_H768", "uniform")
+
+
+def test_eq6_form_and_two_stage_keep_their_shape() -> None:
     two = compose(["objective=ckd_two_stage"]).objective
     assert [s.name for s in two.stages] == ["ckd", "prediction"]
     assert [x.name for x in two.stages[1].losses] == ["ce", "logit_kd"]
+    eq6 = OmegaConf.to_container(compose(["objective=ckd", "objective.params.reduction=official"]).objective,
+                                 resolve=True)
+    assert {x["params"].get("reduction") for x in eq6["stages"][0]["losses"][2:]} == {"official"}
 
 
 # ---------------------------------------------------------------------------------- end to end

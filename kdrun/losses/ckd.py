@@ -12,6 +12,14 @@ Word relation (WR): relations among the tokens of a sentence, computed per align
 summed over layer pairs; each layer's value is the mean over the batch's valid token pairs /
 triples (optionally within a locality window δ).
 
+Reduction (every term's ``reduction`` parameter): ``mean`` as described here; ``official`` is the
+scale of the authors' GLUE training code (Park et al., 2021), which its per-task weights were tuned
+on: each term is one pooled mean over all aligned layers and the batch, the sum of element-wise
+losses divided by the count of mask entries with diagonal / degenerate entries included (pairs:
+L sum_b n_b^2; angles: L sum_b n_b^3, windowed L sum_b n_b (2δ+1)^2; LTR: T l^2 and T l^3 for T
+real tokens and l aligned layers). kdrun keeps its corrected edges under both (true window
+neighbours only, no NaN); see :func:`kdrun.losses.relations.official_count`.
+
 Layer transforming relation (LTR): the same relations among the aligned layers' representations of
 one token (an l x l distance matrix and l^3 angles per token, weights all 1); the value is the mean
 over all valid tokens of the batch and their layer pairs / triples (the paper's "sum over tokens",
@@ -27,13 +35,13 @@ import torch
 
 from kdrun.features import Features
 from kdrun.losses.registry import LossContext, register_loss
-from kdrun.losses.relations import LOSSES, PHIS, angle_loss, pair_loss
+from kdrun.losses.relations import LOSSES, PHIS, REDUCTIONS, angle_loss, pair_loss
 
 # ------------------------------------------------------------------------------------------ checks
 
 # Where objective=ckd's YAML takes each term parameter from, for error messages.
 _SOURCE = {"loss": "pair_loss / angle_loss", "phi": "pair_phi", "normalize": "pair_normalize",
-           "window": "window_pair / window_angle", "huber_beta": "huber_beta"}
+           "window": "window_pair / window_angle", "huber_beta": "huber_beta", "reduction": "reduction"}
 
 
 def _bad(param: str, what: str) -> ValueError:
@@ -41,7 +49,9 @@ def _bad(param: str, what: str) -> ValueError:
 
 
 def _check_common(loss: str, huber_beta: float, window=None, phi: str | None = None,
-                  normalize: bool = False) -> None:
+                  normalize: bool = False, reduction: str = "mean") -> None:
+    if reduction not in REDUCTIONS:
+        raise _bad("reduction", f"'{reduction}' is not one of {', '.join(REDUCTIONS)}")
     if loss not in LOSSES:
         raise _bad("loss", f"'{loss}' is not one of {', '.join(LOSSES)}")
     if isinstance(huber_beta, bool) or not isinstance(huber_beta, (int, float)) or not huber_beta > 0:
@@ -65,22 +75,23 @@ def _check_ltr(layer_pairs) -> None:
 
 
 def _check_wr_pair(student_info, teacher_info, layer_pairs, phi="cosine", normalize=False, loss="kl",
-                   window=None, huber_beta=1.0) -> None:
-    _check_common(loss, huber_beta, window, phi, normalize)
+                   window=None, huber_beta=1.0, reduction="mean") -> None:
+    _check_common(loss, huber_beta, window, phi, normalize, reduction)
 
 
-def _check_wr_angle(student_info, teacher_info, layer_pairs, loss="mse", window=None, huber_beta=1.0) -> None:
-    _check_common(loss, huber_beta, window)
+def _check_wr_angle(student_info, teacher_info, layer_pairs, loss="mse", window=None, huber_beta=1.0,
+                    reduction="mean") -> None:
+    _check_common(loss, huber_beta, window, reduction=reduction)
 
 
 def _check_ltr_pair(student_info, teacher_info, layer_pairs, phi="cosine", normalize=False, loss="kl",
-                    huber_beta=1.0) -> None:
-    _check_common(loss, huber_beta, None, phi, normalize)
+                    huber_beta=1.0, reduction="mean") -> None:
+    _check_common(loss, huber_beta, None, phi, normalize, reduction)
     _check_ltr(layer_pairs)
 
 
-def _check_ltr_angle(student_info, teacher_info, layer_pairs, loss="mse", huber_beta=1.0) -> None:
-    _check_common(loss, huber_beta)
+def _check_ltr_angle(student_info, teacher_info, layer_pairs, loss="mse", huber_beta=1.0, reduction="mean") -> None:
+    _check_common(loss, huber_beta, reduction=reduction)
     _check_ltr(layer_pairs)
 
 
@@ -99,6 +110,14 @@ def _hidden(s: Features, t: Features, ctx: LossContext, term: str):
     return hs, ht, s.attention_mask.bool()
 
 
+def _layer_reduce(total: torch.Tensor, n_layers: int, reduction: str) -> torch.Tensor:
+    """WR: per-layer means summed (``mean``) or one pooled mean over the layers (``official``).
+
+    Every layer has the same official count (same tokens), so the pooled mean is the layers' mean.
+    """
+    return total / n_layers if reduction == "official" else total
+
+
 def _token_layer_points(hidden: tuple[torch.Tensor, ...], layers: list[int], mask: torch.Tensor) -> torch.Tensor:
     """(T, l, d): each valid token's representations at ``layers`` (T = number of real tokens)."""
     return torch.stack([hidden[i][mask] for i in layers], dim=1)
@@ -109,7 +128,7 @@ def _token_layer_points(hidden: tuple[torch.Tensor, ...], layers: list[int], mas
 @register_loss("ckd_wr_pair", needs={"hidden_states"}, check=_check_wr_pair)
 def ckd_wr_pair(
     s: Features, t: Features, batch, ctx: LossContext, phi: str = "cosine", normalize: bool = False,
-    loss: str = "kl", window: int | None = None, huber_beta: float = 1.0,
+    loss: str = "kl", window: int | None = None, huber_beta: float = 1.0, reduction: str = "mean",
 ) -> torch.Tensor:
     """CKD word relation, pair-wise: sum over aligned layers of the mean LD(phi_s(i, j), phi_t(i, j)).
 
@@ -122,14 +141,14 @@ def ckd_wr_pair(
     total = hs[0].new_zeros((), dtype=torch.float32)
     for si, ti in ctx.layer_pairs:
         total = total + pair_loss(hs[si], ht[ti], mask, phi=phi, normalize=normalize, loss=loss, window=window,
-                                  huber_beta=huber_beta)
-    return total
+                                  huber_beta=huber_beta, reduction=reduction)
+    return _layer_reduce(total, len(ctx.layer_pairs), reduction)
 
 
 @register_loss("ckd_wr_angle", needs={"hidden_states"}, check=_check_wr_angle)
 def ckd_wr_angle(
     s: Features, t: Features, batch, ctx: LossContext, loss: str = "mse", window: int | None = None,
-    huber_beta: float = 1.0,
+    huber_beta: float = 1.0, reduction: str = "mean",
 ) -> torch.Tensor:
     """CKD word relation, triple-wise: sum over aligned layers of the mean LD(psi_s(i,j,k), psi_t(i,j,k)).
 
@@ -139,14 +158,15 @@ def ckd_wr_angle(
     hs, ht, mask = _hidden(s, t, ctx, "ckd_wr_angle")
     total = hs[0].new_zeros((), dtype=torch.float32)
     for si, ti in ctx.layer_pairs:
-        total = total + angle_loss(hs[si], ht[ti], mask, loss=loss, window=window, huber_beta=huber_beta)
-    return total
+        total = total + angle_loss(hs[si], ht[ti], mask, loss=loss, window=window, huber_beta=huber_beta,
+                                   reduction=reduction)
+    return _layer_reduce(total, len(ctx.layer_pairs), reduction)
 
 
 @register_loss("ckd_ltr_pair", needs={"hidden_states"}, check=_check_ltr_pair)
 def ckd_ltr_pair(
     s: Features, t: Features, batch, ctx: LossContext, phi: str = "cosine", normalize: bool = False,
-    loss: str = "kl", huber_beta: float = 1.0,
+    loss: str = "kl", huber_beta: float = 1.0, reduction: str = "mean",
 ) -> torch.Tensor:
     """CKD layer transforming relation, pair-wise: relations among each token's aligned-layer vectors.
 
@@ -157,12 +177,14 @@ def ckd_ltr_pair(
     xs = _token_layer_points(hs, [p[0] for p in ctx.layer_pairs], mask)
     xt = _token_layer_points(ht, [p[1] for p in ctx.layer_pairs], mask)
     ones = torch.ones(xs.shape[:2], dtype=torch.bool, device=xs.device)
-    return pair_loss(xs, xt, ones, phi=phi, normalize=normalize, loss=loss, window=None, huber_beta=huber_beta)
+    return pair_loss(xs, xt, ones, phi=phi, normalize=normalize, loss=loss, window=None, huber_beta=huber_beta,
+                     reduction=reduction)
 
 
 @register_loss("ckd_ltr_angle", needs={"hidden_states"}, check=_check_ltr_angle)
 def ckd_ltr_angle(
     s: Features, t: Features, batch, ctx: LossContext, loss: str = "mse", huber_beta: float = 1.0,
+    reduction: str = "mean",
 ) -> torch.Tensor:
     """CKD layer transforming relation, triple-wise: angles among each token's aligned-layer vectors.
 
@@ -172,4 +194,4 @@ def ckd_ltr_angle(
     xs = _token_layer_points(hs, [p[0] for p in ctx.layer_pairs], mask)
     xt = _token_layer_points(ht, [p[1] for p in ctx.layer_pairs], mask)
     ones = torch.ones(xs.shape[:2], dtype=torch.bool, device=xs.device)
-    return angle_loss(xs, xt, ones, loss=loss, window=None, huber_beta=huber_beta)
+    return angle_loss(xs, xt, ones, loss=loss, window=None, huber_beta=huber_beta, reduction=reduction)

@@ -33,6 +33,9 @@ Conventions (documented once, used by every loss here):
   number of valid entries, as the official code does for angles). ``kl`` is
   ``KL(softmax(teacher row) || softmax(student row))`` over the valid entries of each row (a row is
   point i for pairs, (vertex j, point i) for angles), averaged over the valid rows.
+  ``reduction="official"`` divides the same sums by the official CKD code's count instead: every
+  mask entry of a valid point set, diagonal / degenerate entries and window slots included
+  (:func:`official_count`), the scale its per-task loss weights were tuned on.
 - The teacher side is computed under ``torch.no_grad()``; everything runs with autocast disabled.
 """
 
@@ -47,6 +50,9 @@ import torch.nn.functional as F
 
 PHIS = ("l2", "cosine")
 LOSSES = ("mse", "l1", "huber", "kl")
+# How summed matching losses become a scalar: "mean" over the valid entries (rows for kl), or the
+# official CKD code's pooled count, degenerate entries and window slots included (official_count).
+REDUCTIONS = ("mean", "official")
 # Row entries outside the valid set get this logit before a softmax: exp() underflows to exactly 0
 # while everything stays finite (so no 0 * inf in forward or backward).
 _MASKED_LOGIT = -1e9
@@ -56,6 +62,11 @@ CHUNK_ELEMS = {"cpu": 1 << 18, "cuda": 1 << 24}
 
 
 # ------------------------------------------------------------------------------------------ helpers
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction '{reduction}' must be one of {REDUCTIONS}")
+
 
 def relation_dtype(x: torch.Tensor) -> torch.dtype:
     """fp32 for half/bfloat16/fp32 inputs, fp64 kept (tests compare in fp64)."""
@@ -159,8 +170,9 @@ def pair_relation(
     return rel, valid
 
 
-def _match(rs: torch.Tensor, rt: torch.Tensor, valid: torch.Tensor, loss: str, huber_beta: float) -> torch.Tensor:
-    """Mean matching loss between relation tensors (..., m) over ``valid`` (rows = last dim for kl)."""
+def _match_sum(rs: torch.Tensor, rt: torch.Tensor, valid: torch.Tensor, loss: str,
+               huber_beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed matching loss over ``valid`` and its ``mean`` denominator (entries; rows for kl)."""
     if loss not in LOSSES:
         raise ValueError(f"matching loss '{loss}' must be one of {LOSSES}")
     if loss == "kl":
@@ -168,7 +180,7 @@ def _match(rs: torch.Tensor, rt: torch.Tensor, valid: torch.Tensor, loss: str, h
         lt = F.log_softmax(rt.masked_fill(~valid, _MASKED_LOGIT), dim=-1)
         rows = valid.any(-1)
         kl = (lt.exp() * (lt - ls)).sum(-1)
-        return (kl * rows).sum() / rows.sum().clamp_min(1)
+        return (kl * rows).sum(), rows.sum()
     diff = torch.where(valid, rs - rt, torch.zeros_like(rs))
     if loss == "mse":
         err = diff * diff
@@ -176,7 +188,20 @@ def _match(rs: torch.Tensor, rt: torch.Tensor, valid: torch.Tensor, loss: str, h
         err = diff.abs()
     else:
         err = F.smooth_l1_loss(diff, torch.zeros_like(diff), reduction="none", beta=huber_beta)
-    return err.sum() / valid.sum().clamp_min(1)
+    return err.sum(), valid.sum()
+
+
+def official_count(mask: torch.Tensor, window: int | None, order: int) -> torch.Tensor:
+    """The official code's denominator: its mask entries per point set, degenerate ones included.
+
+    ``order`` 2 (pairs) or 3 (triples). A set of n valid points has n^order entries with no window,
+    and n (2δ+1)^(order-1) with a window δ: every valid point owns 2δ+1 neighbour slots per
+    position, edge slots included (the official code fills them with clamped duplicates; kdrun
+    counts the slots but sums only true neighbours).
+    """
+    n = mask.bool().sum(-1).to(torch.float64)
+    per = n ** (order - 1) if window is None else torch.full_like(n, float(2 * window + 1) ** (order - 1))
+    return (n * per).sum()
 
 
 def pair_loss(
@@ -189,17 +214,23 @@ def pair_loss(
     loss: str = "mse",
     window: int | None = None,
     huber_beta: float = 1.0,
+    reduction: str = "mean",
 ) -> torch.Tensor:
     """Matching loss between the student's and the teacher's pair relations (see module doc).
 
-    xs (P, n, ds) student points, xt (P, n, dt) teacher points, mask (P, n). Scalar, mean over the
-    batch's valid pairs (``kl``: over its valid rows).
+    xs (P, n, ds) student points, xt (P, n, dt) teacher points, mask (P, n). Scalar: the summed
+    loss divided by the batch's valid pairs (``kl``: its valid rows) with ``reduction="mean"``, or
+    by :func:`official_count` (order 2) with ``"official"``.
     """
+    _check_reduction(reduction)
     with full_precision(xs.device):
         rs, valid = pair_relation(xs, mask, phi, normalize, window)
         with torch.no_grad():
             rt, _ = pair_relation(xt, mask, phi, normalize, window)
-        return _match(rs, rt.to(rs.dtype), valid, loss, huber_beta)
+        total, count = _match_sum(rs, rt.to(rs.dtype), valid, loss, huber_beta)
+        if reduction == "official":
+            count = official_count(mask, window, 2)
+        return total / count.clamp_min(1).to(total.dtype)
 
 
 # ----------------------------------------------------------------------------- triple-wise (angles)
@@ -381,15 +412,18 @@ def angle_loss(
     window: int | None = None,
     huber_beta: float = 1.0,
     chunk_elems: int | None = None,
+    reduction: str = "mean",
 ) -> torch.Tensor:
     """Matching loss between the student's and the teacher's angles psi (see module doc).
 
     xs (P, n, ds), xt (P, n, dt), mask (P, n). ``window`` δ: only neighbours within δ of the vertex
     (read as (n, 2δ+1, 2δ+1) slabs of a strided view of the Gram matrix); None: all n^2 pairs per
     vertex. Either way in chunks of vertices: peak extra memory is O(P n^2 + chunk_elems)
-    (``chunk_elems`` None: a per-device default). Scalar: mean over the batch's valid triples
-    (``kl``: over its valid (vertex, point) rows, softmax over the third point).
+    (``chunk_elems`` None: a per-device default). Scalar: the summed loss divided by the batch's
+    valid triples (``kl``: its valid (vertex, point) rows, softmax over the third point) with
+    ``reduction="mean"``, or by :func:`official_count` (order 3) with ``"official"``.
     """
+    _check_reduction(reduction)
     if loss not in LOSSES:
         raise ValueError(f"matching loss '{loss}' must be one of {LOSSES}")
     if window is not None and window < 1:
@@ -403,6 +437,8 @@ def angle_loss(
             c_t, inv_t, _ = angle_pieces(gt, mask, window)
         cnt = valid.sum(-1)
         count = cnt.sum() if loss == "kl" else (cnt * cnt).sum()
+        if reduction == "official":
+            count = official_count(mask, window, 3)
         window_eff = window if c_s.shape[-1] < c_s.shape[1] else None
         want = torch.is_grad_enabled() and gs.requires_grad
         total = _AngleLoss.apply(gs, c_s, inv_s, gt, c_t, inv_t, valid, window_eff, loss, float(huber_beta),
