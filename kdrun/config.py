@@ -219,6 +219,10 @@ class LoggerConfig:
     group: Optional[str] = None
     tags: List[str] = field(default_factory=list)
     log_every_steps: int = 10
+    # Every log_every_steps optimizer steps, log each loss term's gradient norm on the student's
+    # trainable parameters, its share and cosine with the total gradient, and its weighted value
+    # (grad_norm/<term>, grad_share/<term>, grad_cos/<term>, weighted/<term>; README "Loss balance").
+    grad_shares: bool = False
 
 
 @dataclass

@@ -266,9 +266,14 @@ class Objective(nn.Module):
         return out
 
     def forward(
-        self, stage: int, student: Features, teacher: Features | None, batch: dict[str, Any], step: int = 0
+        self, stage: int, student: Features, teacher: Features | None, batch: dict[str, Any], step: int = 0,
+        weighted: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Returns (weighted total, {term key: unweighted value (detached)})."""
+        """Returns (weighted total, {term key: unweighted value (detached)}).
+
+        ``weighted``, when given, is filled with each term's weighted value still attached to the
+        graph (the summands of the total), for per-term gradients (``logger.grad_shares``).
+        """
         plan = self.plans[stage]
         total = student.logits.new_zeros((), dtype=torch.float32)
         values: dict[str, torch.Tensor] = {}
@@ -285,5 +290,8 @@ class Objective(nn.Module):
             )
             value = term.spec.fn(student, teacher if term.spec.uses_teacher else None, batch, ctx, **term.params)
             values[term.key] = value.detach()
-            total = total + term.weight * value.float()
+            summand = term.weight * value.float()
+            if weighted is not None:
+                weighted[term.key] = summand
+            total = total + summand
         return total, values

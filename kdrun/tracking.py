@@ -39,6 +39,11 @@ class Tracker:
                 reinit="finish_previous",
             )
 
+    @property
+    def grad_shares(self) -> bool:
+        """Whether the trainer measures per-term gradient shares for the log (``logger.grad_shares``)."""
+        return self.enabled and bool(getattr(self.logger_cfg, "grad_shares", False))
+
     def log(self, values: dict[str, Any], step: int) -> None:
         if not self.enabled:
             return

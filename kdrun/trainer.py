@@ -253,6 +253,49 @@ def _average_objective_grads(objective: Objective, world_size: int) -> None:
         offset += g.numel()
 
 
+def _flat_grad(value: torch.Tensor, params: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """d value / d params as one float32 vector (zeros where value does not depend on a parameter);
+    the graph is kept for the training step's backward, and no ``.grad`` is touched."""
+    if not value.requires_grad:
+        return torch.zeros(sum(p.numel() for p in params), device=params[0].device)
+    grads = torch.autograd.grad(value * scale, params, retain_graph=True, allow_unused=True)
+    flat = [(g if g is not None else torch.zeros_like(p)).reshape(-1).float() for g, p in zip(grads, params)]
+    return torch.cat(flat) / scale
+
+
+def grad_share_logs(weighted: dict[str, torch.Tensor], params: list[torch.Tensor],
+                    scale: float = 1.0) -> dict[str, float]:
+    """Loss-balance diagnostics (``logger.grad_shares``) for one batch's weighted terms L_i.
+
+    With g_i = dL_i/dθ over ``params`` (the student's trainable parameters) and g = Σ_i g_i (the
+    total loss's gradient, before clipping): ``grad_norm/<i>`` = ‖g_i‖, ``grad_share/<i>`` =
+    ‖g_i‖ / Σ_j ‖g_j‖ (sums to 1), ``grad_cos/<i>`` = cos(g_i, g) (negative: the term pulls against
+    the total), ``grad_norm/total`` = ‖g‖, ``weighted/<i>`` = L_i. ``scale`` (the fp16 loss scale)
+    keeps small gradients from underflowing and is divided out.
+    """
+    keys = list(weighted)
+    flats = [_flat_grad(weighted[k], params, scale) for k in keys]
+    gram = torch.stack([torch.stack([a @ b for b in flats]) for a in flats]).double()
+    norms = gram.diagonal().clamp_min(0).sqrt()
+    total = gram.sum().clamp_min(0).sqrt()
+    shares = norms / norms.sum() if norms.sum() > 0 else torch.full_like(norms, float("nan"))
+    cos = gram.sum(1) / (norms * total)  # <g_i, g> / (‖g_i‖ ‖g‖); NaN where a norm is 0
+    out = {"grad_norm/total": float(total)}
+    for i, k in enumerate(keys):
+        out.update({f"grad_norm/{k}": float(norms[i]), f"grad_share/{k}": float(shares[i]),
+                    f"grad_cos/{k}": float(cos[i]), f"weighted/{k}": float(weighted[k].detach())})
+    return out
+
+
+def _loss_scale(acc) -> float:
+    scaler = getattr(acc, "scaler", None)
+    return float(scaler.get_scale()) if scaler is not None else 1.0
+
+
+def _is_log_step(stage_step: int, every: int, total_steps: int) -> bool:
+    return stage_step % every == 0 or stage_step == total_steps
+
+
 def _stop_requested(parts: RunParts) -> bool:
     """Whether a termination signal arrived (on any process: all of them stop at the same step)."""
     if parts.guard is None:
@@ -334,6 +377,10 @@ def run_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from: 
     ckpt_every = tcfg.checkpoint_every_steps
     log_every = max(1, parts.log_every)
     running: dict[str, float] = {}
+    # logger.grad_shares: per-term gradients on the last micro-batch of each logged step.
+    measure = getattr(parts.tracker, "grad_shares", False)
+    share_params = [p for p in student.parameters() if p.requires_grad] if measure else None
+    shares: dict[str, float] = {}
     n_running, t_log, ex_log, tok_log = 0, time.perf_counter(), 0, 0
 
     def do_eval(tag: str) -> None:
@@ -370,7 +417,10 @@ def run_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from: 
                             with torch.inference_mode():
                                 t_feats = extract_features(teacher, batch, needs_t)
                             t_feats = _clone_features(t_feats)
-                    loss, values = parts.objective(plan.index, s_feats, t_feats, batch, step=state.global_step)
+                    logged_step = acc.sync_gradients and _is_log_step(state.stage_step + 1, log_every, total_steps)
+                    weighted = {} if share_params and logged_step else None
+                    loss, values = parts.objective(plan.index, s_feats, t_feats, batch, step=state.global_step,
+                                                   weighted=weighted)
                 if not torch.isfinite(loss):
                     bad = [k for k, v in values.items() if not torch.isfinite(v)] or ["total (weighted sum)"]
                     raise TrainingDiverged(
@@ -379,6 +429,8 @@ def run_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from: 
                         f"The last good checkpoint is kept in {checkpoint_dir(parts.run_dir)}; lower the lr "
                         "or the term's weight, or check the inputs."
                     )
+                if weighted:
+                    shares = grad_share_logs(weighted, share_params, _loss_scale(acc))
                 acc.backward(loss)
                 if acc.sync_gradients and parts.world_size > 1:
                     _average_objective_grads(parts.objective, parts.world_size)
@@ -400,13 +452,15 @@ def run_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from: 
             state.stage_step += 1
             state.global_step += 1
             pbar.update(1)
-            if state.stage_step % log_every == 0 or state.stage_step == total_steps:
+            if _is_log_step(state.stage_step, log_every, total_steps):
                 dt = max(time.perf_counter() - t_log, 1e-9)
                 logs = {f"train/{k}": v / n_running for k, v in running.items()}
                 logs.update({"train/lr": scheduler.get_last_lr()[0], "train/examples_per_s": ex_log / dt,
                              "train/tokens_per_s": tok_log / dt, "stage": plan.name,
                              "epoch": state.epoch + state.batch_in_epoch / batches_per_epoch})
                 logs.update({f"objective/{k}": v for k, v in parts.objective.log_values(plan.index).items()})
+                logs.update(shares)
+                shares = {}
                 parts.tracker.log(logs, step=state.global_step)
                 pbar.set_postfix(loss=f"{logs['train/loss']:.4f}")
                 running, n_running, t_log, ex_log, tok_log = {}, 0, time.perf_counter(), 0, 0
