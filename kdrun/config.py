@@ -83,6 +83,14 @@ class FinetuneConfig:
     # The teacher's own seed, fixed whatever the run's seed: a sweep over seeds distils every
     # student from the same (cached) teacher, as the papers do.
     seed: int = 42
+    # The teacher's own counterparts of train.* (those train the student only, so a sweep over
+    # them distils every student from one cached teacher; kdrun/teacher.py classifies every key).
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float = 1.0
+    # Keep the best dev teacher (false: the last one).
+    keep_best: bool = True
+    # Batches of similar-length rows (false: random batches).
+    group_by_length: bool = True
 
 
 @dataclass

@@ -248,7 +248,14 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from kdrun.metrics import compute_task_metrics
     from kdrun.objective import Objective
     from kdrun.preemption import Interrupted, PreemptionGuard
-    from kdrun.teacher import finetune_plan, get_teacher, save_model_files, teacher_cache_key
+    from kdrun.teacher import (
+        finetune_plan,
+        get_teacher,
+        save_model_files,
+        teacher_accelerator,
+        teacher_cache_key,
+        teacher_train_cfg,
+    )
     from kdrun.tracking import Tracker
     from kdrun.trainer import (
         RunParts,
@@ -361,17 +368,21 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 objective = Objective([plan], [], task.num_labels, M.describe(model), None)
                 quiet = _T(out, cfg.logger, {}, run_name, enabled=False)
                 parts = parts_for(model, None, objective, out, quiet, distributed=False)
-                parts.train_cfg = OmegaConf.merge(tcfg, {"checkpoint_every_steps": None, "stop_after_steps": None,
-                                                         "seed": tc.finetune.seed})
+                # The teacher's own train settings: the run's train.* reach it only where they are in
+                # the cache key or cannot change its weights (kdrun/teacher.py).
+                parts.train_cfg = ttcfg = teacher_train_cfg(tcfg, tc.finetune)
+                parts.collator = Collator(tokenizer.pad_token_id, regression,
+                                          pad_to=task.max_seq_length if ttcfg.pad_to_max_length else None)
                 state = TrainState()
                 print(f"[kdrun] fine-tuning the teacher ({tc.name}) on {task.name}")
-                run_stage(parts, plan, state, None)
+                with teacher_accelerator(accelerator, ttcfg.gradient_accumulation_steps):
+                    run_stage(parts, plan, state, None)
                 finalize_best(parts)
                 save_model_files(accelerator.unwrap_model(model), out / "model")
                 tokenizer.save_pretrained(out / "model")
                 return evaluate(parts, model)
 
-            key = teacher_cache_key(tc, refs.get("teacher", "random"), data_hash, tok_hash, task, tcfg, precision)
+            key = teacher_cache_key(cfg, refs.get("teacher", "random"), data_hash, tok_hash, precision)
             teacher, teacher_info = get_teacher(
                 cfg.cache_dir, key, train_teacher,
                 lambda path: M.load_classifier(path, task.num_labels, need_attentions=need_t_attn),

@@ -1,9 +1,13 @@
 """The teacher: loaded from a checkpoint, or fine-tuned on the task once and cached.
 
-The cache key is a hash of everything that determines the fine-tuned weights (model reference,
-task data content, tokenisation, fine-tuning hyperparameters and seed, precision). Entries are built
-in a temporary directory under a file lock and renamed into place, so concurrent sweep jobs train
-a teacher once and never read a half-written one.
+The cache key is a hash of everything that can change the fine-tuned teacher (model, task data
+content, tokenizer, how the task's rows are used, ``teacher.finetune`` and the resolved precision).
+The run's ``train`` settings are the student's: the teacher trains with ``teacher_train_cfg``, in
+which every ``train.*`` key either comes from ``teacher.finetune`` (so it is keyed), is fixed, or is
+one that cannot change the weights. The tables below classify every key of ``task``, ``teacher``,
+``train`` and the rest of the run's config; tests/test_teacher_key.py fails for a schema key that
+is missing from them. Entries are built in a temporary directory under a file lock and renamed into
+place, so concurrent sweep jobs train a teacher once and never read a half-written one.
 """
 
 from __future__ import annotations
@@ -11,16 +15,139 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from kdrun.cache import content_hash, file_fingerprint, get_or_build, write_json_atomic
 from kdrun.losses import get_loss
 from kdrun.objective import StagePlan, Term
 
-CACHE_VERSION = 1
+# 2: task splits/metrics and all of teacher.finetune (with its own clipping, accumulation, best-keeping
+# and batching settings) keyed; train.group_by_length no longer is (the teacher has its own).
+CACHE_VERSION = 2
+
+# ---------------------------------------------------------------------------------- classification
+
+# teacher.*: in the key as they are.
+TEACHER_KEYED = {
+    "kind": "pretrained weights or a random initialisation",
+    "hidden_size": "size of a random teacher (kind=random only; a pretrained one has its checkpoint's)",
+    "num_hidden_layers": "size of a random teacher (kind=random only)",
+    "num_attention_heads": "size of a random teacher (kind=random only)",
+    "intermediate_size": "size of a random teacher (kind=random only)",
+    "dropout": "dropout while fine-tuning",
+    "finetune": "every fine-tuning hyperparameter, the seed and the teacher's own train settings",
+}
+_RANDOM_ONLY = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+# teacher.*: in the key through what they resolve to.
+TEACHER_KEYED_AS_RESOLVED = {
+    "name_or_path": "keyed as the resolved model reference (a directory: its path and its files' sizes and mtimes)",
+    "fallback_hub_id": "used only when name_or_path does not resolve; keyed as the resolved reference",
+    "tokenizer": "keyed as the tokenizer's fingerprint (vocabulary, lower-casing), which also fixes a random "
+                 "teacher's vocabulary size",
+}
+# teacher.*: not in the key because they cannot change a fine-tuned teacher.
+TEACHER_NOT_IN_KEY = {
+    "name": "a label; the model is identified by its resolved reference",
+    "checkpoint": "a given checkpoint is loaded as it is: nothing is fine-tuned or cached",
+    "source": "for truncated students only (teacher.kind=truncated is refused)",
+    "num_layers": "for truncated students only (teacher.kind=truncated is refused)",
+}
+
+# task.*: in the key as they are (how the rows are used; which rows there are is in the data hash).
+TASK_KEYED = {
+    "num_labels": "the classifier head and the loss (CE; MSE for 1)",
+    "max_seq_length": "truncation of every row",
+    "train_split": "which split the teacher trains on (the data hash covers every split, not which one is train)",
+    "eval_splits": "the first one selects the kept teacher; the cached dev metrics are of these splits",
+    "main_metric": "selects the kept teacher",
+    "metrics": "the cached dev metrics are these (they do not change the weights)",
+}
+# task.*: in the key through the content hash of the loaded splits (every text and label).
+TASK_KEYED_AS_DATA = {
+    name: "chooses or reads the rows; keyed as the data content hash"
+    for name in ("text_columns", "label_column", "label_names", "hub_dataset", "hub_config", "data_dir",
+                 "data_files", "tsv", "max_train_samples", "max_eval_samples", "sample_seed", "toy")
+}
+TASK_NOT_IN_KEY = {
+    "name": "a label (names in error messages and run names); the data it stands for is in the data hash",
+}
+
+# train.*: in the key as the value that reaches the teacher.
+TRAIN_KEYED = {
+    "precision": "the teacher trains under the run's accelerator; keyed as the resolved mixed precision "
+                 "(no/bf16/fp16), so auto and fp32 on a CPU share an entry",
+}
+# train.*: not in the key because the teacher never sees the run's value; teacher_train_cfg replaces it
+# with these (a teacher.finetune key, keyed with the rest of teacher.finetune, or a fixed value).
+TRAIN_REPLACED: dict[str, Callable[[Any], Any]] = {
+    "seed": lambda ft: ft.seed,  # teacher.finetune.seed: one teacher for a sweep over run seeds
+    "epochs": lambda ft: None,  # the plan carries teacher.finetune.epochs; train.epochs sets the objective's
+    "lr": lambda ft: None,  # the plan carries teacher.finetune.lr; train.lr sets the objective's stages
+    "gradient_accumulation_steps": lambda ft: ft.gradient_accumulation_steps,
+    "max_grad_norm": lambda ft: ft.max_grad_norm,
+    "keep_best": lambda ft: ft.keep_best,
+    "group_by_length": lambda ft: ft.group_by_length,
+    "pad_to_max_length": lambda ft: False,  # batches padded to their longest row (padding is a benchmark knob)
+    "checkpoint_every_steps": lambda ft: None,  # an interrupted teacher is fine-tuned again from the start
+    "stop_after_steps": lambda ft: None,  # the testing aid stops the student only
+    "cache_teacher_logits": lambda ft: False,  # the teacher learns from gold labels: it has no teacher
+}
+# train.*: they reach the teacher's fine-tuning but are not in the key because they cannot change its weights.
+TRAIN_NOT_IN_KEY = {
+    "device": "where it trains; the precision it implies is keyed as resolved. Only floating-point rounding "
+              "differs between devices, which the cache ignores as it ignores GPU models and library versions",
+    "eval_batch_size": "batching of the no-gradient dev passes: padding is masked, so a row's logits do not "
+                       "depend on its batch beyond rounding (which could at most tip an exact tie between two "
+                       "dev scores that select the kept teacher)",
+    "num_workers": "data-loading processes; the batches and their order come from the sampler",
+}
+
+# The rest of the run's config: not in the key because none of it reaches the teacher's fine-tuning.
+RUN_NOT_IN_KEY = {
+    "seed": "the run's seed reaches the teacher only as train.seed, which it replaces with teacher.finetune.seed",
+    "student": "built after the teacher (a random teacher without tokenizer takes the student's tokenizer, "
+               "keyed as its fingerprint)",
+    "objective": "the teacher's one stage is teacher.finetune's plain CE (MSE) stage (finetune_plan)",
+    "mapping": "layer maps of the distillation only",
+    "augmentation": "the teacher trains on the original training split only",
+    "spans": "MGSKD spans; the teacher's CE loss ignores them",
+    "logger": "the teacher's tracker is disabled; log_every_steps only times logging",
+    "sweep": "launching only", "launcher": "launching only",
+    "cache_dir": "where the cache is", "resume": "the student's checkpoints",
+    "output_dir": "where the run writes", "run_name": "a label",
+}
+# The sections of the run's config classified key by key above.
+RUN_CLASSIFIED_BY_KEY = ("task", "teacher", "train")
+
+
+def teacher_train_cfg(train_cfg: Any, finetune_cfg: Any) -> DictConfig:
+    """The ``train`` settings the trainer gets while fine-tuning the teacher: the run's, with every
+    key of TRAIN_REPLACED replaced (for the default config they equal the run's where the trainer
+    reads them, so defaults train the teacher as before)."""
+    return OmegaConf.merge(train_cfg, {k: fn(finetune_cfg) for k, fn in TRAIN_REPLACED.items()})
+
+
+@contextmanager
+def teacher_accelerator(accelerator: Any, gradient_accumulation_steps: int) -> Iterator[None]:
+    """Fine-tune the teacher on the run's accelerator with its own gradient accumulation, from and
+    back to a fresh accumulation counter and loss scale: neither the student's settings nor a cache
+    hit or miss leaks from one model's training into the other's."""
+    saved = accelerator.gradient_accumulation_steps
+    scaler = getattr(accelerator, "scaler", None)
+    scaler_state = scaler.state_dict() if scaler is not None else None
+    accelerator.gradient_accumulation_steps = gradient_accumulation_steps
+    accelerator.step = 0
+    try:
+        yield
+    finally:
+        accelerator.gradient_accumulation_steps = saved
+        accelerator.step = 0
+        if scaler_state:
+            scaler.load_state_dict(scaler_state)
 
 
 def finetune_plan(finetune_cfg: Any) -> StagePlan:
@@ -32,26 +159,28 @@ def finetune_plan(finetune_cfg: Any) -> StagePlan:
     return StagePlan(0, "finetune", stage, [Term("ce", get_loss("ce"), 1.0, {}, "teacher.finetune")])
 
 
-def teacher_cache_key(teacher_cfg: Any, resolved_ref: str, data_hash: str, tok_hash: str, task_cfg: Any,
-                      train_cfg: Any, precision: str) -> str:
+def teacher_cache_key(cfg: Any, resolved_ref: str, data_hash: str, tok_hash: str, precision: str) -> str:
+    """The cache key of the teacher fine-tuned for run config ``cfg``.
+
+    ``resolved_ref`` is the resolved teacher reference ("random" for kind=random), ``data_hash`` the
+    content hash of the loaded splits, ``tok_hash`` the tokenizer's fingerprint and ``precision`` the
+    accelerator's resolved mixed precision. Reads only the TEACHER_KEYED and TASK_KEYED keys of ``cfg``.
+    """
+    tc, task = cfg.teacher, cfg.task
     ref_identity: Any = resolved_ref
     if Path(resolved_ref).is_dir():
         ref_identity = {"path": str(Path(resolved_ref).resolve()), "files": file_fingerprint(resolved_ref)}
+    random = tc.kind == "random"
     return content_hash({
         "v": CACHE_VERSION,
         "model": ref_identity,
-        "kind": teacher_cfg.kind,
-        "sizes": [teacher_cfg.hidden_size, teacher_cfg.num_hidden_layers, teacher_cfg.num_attention_heads,
-                  teacher_cfg.intermediate_size] if teacher_cfg.kind == "random" else None,
-        "dropout": teacher_cfg.dropout,
-        "finetune": OmegaConf.to_container(teacher_cfg.finetune, resolve=True),
-        "data": data_hash,
         "tokenizer": tok_hash,
-        "num_labels": task_cfg.num_labels,
-        "max_seq_length": task_cfg.max_seq_length,
-        "seed": teacher_cfg.finetune.seed,
+        "data": data_hash,
+        "teacher": {k: (OmegaConf.to_container(tc[k], resolve=True) if k == "finetune" else tc[k])
+                    for k in TEACHER_KEYED if random or k not in _RANDOM_ONLY},
+        "task": {k: OmegaConf.to_container(task[k], resolve=True) if OmegaConf.is_config(task[k]) else task[k]
+                 for k in TASK_KEYED},
         "precision": precision,
-        "group_by_length": train_cfg.group_by_length,
     })
 
 
