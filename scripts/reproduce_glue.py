@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="outputs/mini_glue")
     p.add_argument("--tasks", default=",".join(GLUE_DIRS))
     p.add_argument("--objectives", default=",".join(OBJECTIVES))
-    p.add_argument("--grid-lr", default="1e-4,3e-4", help="learning rates tried on dev")
+    p.add_argument("--grid-lr", default="2e-4,5e-4", help="learning rates tried on dev")
     p.add_argument("--ckd-lambda", default="1,10", help="objective.params.lambda_ckd values tried for ckd")
     p.add_argument("--grid-seed", type=int, default=0)
     p.add_argument("--seeds", default="1,2,3")
