@@ -161,6 +161,9 @@ class ObjectiveConfig:
     temperature: float = 1.0
     params: Dict[str, Any] = field(default_factory=dict)
     stages: List[StageConfig] = field(default_factory=list)
+    # Python modules to import before the stages' loss terms are looked up: loss plug-ins that are
+    # not installed under the ``kdrun.losses`` entry-point group (e.g. [my_pkg.my_losses]).
+    imports: List[str] = field(default_factory=list)
 
 
 @dataclass

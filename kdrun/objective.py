@@ -9,7 +9,6 @@ learnable module the terms ask for; the parameters of both go to the optimizer, 
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -18,7 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from kdrun.features import Features
-from kdrun.losses import LossContext, LossSpec, check_params, get_loss
+from kdrun.losses import LossContext, LossSpec, Params, check_params, get_loss
+from kdrun.losses.registry import import_loss_modules
 from kdrun.mapping import MAPPINGS, STRATEGY_PARAMS, LayerMap, MappedPairs, MappingSpec, pairs_map
 
 VALID_DATA = ("original", "augmented")
@@ -29,7 +29,7 @@ class Term:
     key: str
     spec: LossSpec
     weight: float
-    params: dict[str, Any]
+    params: Params  # the term's typed, validated parameters
     where: str
 
 
@@ -66,6 +66,7 @@ def plan_stages(objective_cfg: DictConfig, epochs: float | None = None, lr: floa
 
     ``epochs`` / ``lr`` (train.epochs, train.lr) override every stage's value when given.
     """
+    import_loss_modules(objective_cfg.get("imports") or [])
     stages_cfg = OmegaConf.to_container(objective_cfg.stages, resolve=True)
     for st in stages_cfg:
         if epochs is not None:
@@ -89,8 +90,7 @@ def plan_stages(objective_cfg: DictConfig, epochs: float | None = None, lr: floa
         for j, term in enumerate(st["losses"]):
             where = f"{where_stage}.losses[{j}]"
             spec = get_loss(term["name"], where)
-            params = dict(term.get("params") or {})
-            check_params(spec, params, where + ".params")
+            params = check_params(spec, term.get("params") or {}, where)
             if float(term["weight"]) == 0.0:
                 continue  # a switched-off term is neither computed nor logged
             terms.append(Term(f"{term['name']}", spec, float(term["weight"]), params, where))
@@ -100,24 +100,6 @@ def plan_stages(objective_cfg: DictConfig, epochs: float | None = None, lr: floa
                 t.key = f"{t.key}_{terms.index(t)}"
         plans.append(StagePlan(i, st["name"], st, terms))
     return plans
-
-
-def _param_default(fn, name: str, default: Any = None) -> Any:
-    p = inspect.signature(fn).parameters.get(name)
-    return default if p is None or p.default is inspect.Parameter.empty else p.default
-
-
-# Needs that mean a term compares layer representations, so the mapping concerns it.
-_LAYER_NEEDS = frozenset({"hidden_states", "attentions", "qkv", "attention_scores"})
-
-
-def map_kinds(spec: LossSpec) -> frozenset[str]:
-    """Map kinds a term handles: what it declares (kdrun.losses.layerwise.reads_layer_map), else
-    one-to-one pairs for terms that read layers and nothing for prediction-layer terms."""
-    declared = getattr(spec.fn, "layer_map_kinds", None)
-    if declared is not None:
-        return declared
-    return frozenset({"pairs"}) if (spec.needs | spec.teacher_needs) & _LAYER_NEEDS else frozenset()
 
 
 class Objective(nn.Module):
@@ -158,27 +140,26 @@ class Objective(nn.Module):
                 if term.spec.uses_teacher and teacher_info is None:
                     raise ValueError(f"{term.where}: loss '{term.spec.name}' needs a teacher")
                 pairs = self._map_for(plan, term, key) if teacher_info is not None else MappedPairs([])
-                if term.spec.check is not None:
-                    try:
-                        term.spec.check(student_info, teacher_info, pairs, **term.params)
-                    except ValueError as e:
-                        raise ValueError(f"{term.where} ({term.spec.name}): {e}") from None
-                if term.spec.module_factory is not None:
-                    module = term.spec.module_factory(student_info, teacher_info, pairs, **term.params)
-                    share = getattr(module, "share_key", None)
-                    if share is not None and share in shared:
-                        self._alias[key] = shared[share]
-                    elif module is not None:
-                        self.term_modules[key] = module
-                        if share is not None:
-                            shared[share] = key
+                try:
+                    term.spec.check_models(student_info, teacher_info, pairs, term.params)
+                except ValueError as e:
+                    raise ValueError(f"{term.where} ({term.spec.name}): {e}") from None
+                share = term.spec.share_key(term.params)
+                if share is not None and share in shared:
+                    self._alias[key] = shared[share]
+                    continue
+                module = term.spec.build_module(student_info, teacher_info, pairs, term.params)
+                if module is not None:
+                    self.term_modules[key] = module
+                    if share is not None:
+                        shared[share] = key
 
     # ---- maps
     def _map_for(self, plan: StagePlan, term: Term, key: str) -> MappedPairs:
-        kinds = map_kinds(term.spec)
+        kinds = term.spec.map_kinds
         if not kinds:
             return MappedPairs([])
-        exclude_last = not term.params.get("match_last", _param_default(term.spec.fn, "match_last", True))
+        exclude_last = not getattr(term.params, "match_last", True)
         spec, map_key = self._spec_for(term)
         map_key += "_nolast" if exclude_last else ""
         if map_key not in self.maps:
@@ -209,10 +190,10 @@ class Objective(nn.Module):
         ``buckets`` params, e.g. ALP's attention map) while the group is at its default (uniform)."""
         if self.mapping is None:
             return None, "map"
-        pinned = term.params.get("mapping", _param_default(term.spec.fn, "mapping"))
+        pinned = getattr(term.params, "mapping", None)
         if pinned is None or self.mapping.name != "uniform" or pinned == "uniform":
             return self.mapping, "map"
-        buckets = term.params.get("buckets", _param_default(term.spec.fn, "buckets")) or self.mapping.buckets
+        buckets = getattr(term.params, "buckets", None) or self.mapping.buckets
         params = {k: v for k, v in self.mapping.params.items() if k in STRATEGY_PARAMS.get(pinned, set())}
         spec = replace(self.mapping, name=pinned, buckets=buckets, params=params)
         return spec, f"map_{pinned}"
@@ -288,7 +269,7 @@ class Objective(nn.Module):
                 step=step,
                 layer_map=lmap,
             )
-            value = term.spec.fn(student, teacher if term.spec.uses_teacher else None, batch, ctx, **term.params)
+            value = term.spec.impl(student, teacher if term.spec.uses_teacher else None, batch, ctx, term.params)
             values[term.key] = value.detach()
             summand = term.weight * value.float()
             if weighted is not None:

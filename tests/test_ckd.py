@@ -476,7 +476,7 @@ def test_presets_are_the_authors_training(task) -> None:
     # CE + CKD, no logit-KD term, LTR at weight 1
     assert w == pytest.approx({"ce": 1.0, "ckd_wr_pair": wr_dist, "ckd_wr_angle": wr_angle,
                                "ckd_ltr_pair": 1.0, "ckd_ltr_angle": 1.0})
-    params = {t.key: t.params for t in plan.terms}
+    params = {t.key: t.params.as_dict() for t in plan.terms}
     assert {p["reduction"] for k, p in params.items() if k.startswith("ckd")} == {"official"}
     assert params["ckd_wr_pair"]["window"] is None and params["ckd_wr_angle"]["window"] == 10
     assert (params["ckd_wr_pair"]["phi"], params["ckd_wr_pair"]["loss"], params["ckd_wr_angle"]["loss"]) == \

@@ -109,13 +109,19 @@ def test_completed_run_is_not_redone(run_cfg, tmp_path: Path) -> None:
 
 
 def test_nan_loss_stops_naming_term_and_keeps_checkpoint(run_cfg, tmp_path: Path) -> None:
-    from kdrun.losses import LOSSES, register_loss
+    from dataclasses import dataclass
+
+    from kdrun.losses import LOSSES, Params, register_loss
+
+    @dataclass(frozen=True)
+    class StepAt(Params):
+        step_at: int = 3
 
     if "test_nan_after" not in LOSSES:
-        @register_loss("test_nan_after", uses_teacher=False)
-        def _nan_after(s, t, batch, ctx, step_at: int = 3):
+        @register_loss("test_nan_after", params=StepAt, uses_teacher=False)
+        def _nan_after(s, t, batch, ctx, p: StepAt):
             v = s.logits.float().pow(2).mean()
-            return v * float("nan") if ctx.step >= step_at else v
+            return v * float("nan") if ctx.step >= p.step_at else v
 
     rd = tmp_path / "nan"
     cfg = run_cfg("objective=finetune", "objective.stages.0.losses=[{name: ce, weight: 1.0}, {name: test_nan_after, "

@@ -68,9 +68,8 @@ def term(name, s, t, lmap=None, **params):
     spec = get_loss(name)
     lmap = lmap or pairs_map([])
     pairs = MappedPairs(lmap.pairs, lmap)
-    if spec.check is not None:
-        spec.check(info(s), info(t), pairs, **params)
-    module = spec.module_factory(info(s), info(t), pairs, **params) if spec.module_factory else None
+    spec.check(info(s), info(t), pairs, **params)
+    module = spec.build_module(info(s), info(t), pairs, **params)
     if module is not None:
         module = module.double()
     ctx = LossContext(num_labels=2, layer_pairs=lmap.pairs, module=module, layer_map=lmap)
@@ -375,7 +374,7 @@ def test_zero_loss_when_student_is_a_copy_of_the_teacher(name, params) -> None:
     lmap = pairs_map([(i, i) for i in range(5)])
     s_info = {"layers": 4, "hidden": 16, "heads": 2}
     pairs = MappedPairs(lmap.pairs, lmap)
-    module = spec.module_factory(s_info, s_info, pairs, **params) if spec.module_factory else None
+    module = spec.build_module(s_info, s_info, pairs, **params)
     value = spec.fn(s, t, b, LossContext(2, layer_pairs=lmap.pairs, module=module, layer_map=lmap), **params)
     assert abs(value.item()) < 1e-6, value.item()
     # ALP's attention over one-layer buckets is the identity map too

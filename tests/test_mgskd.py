@@ -272,10 +272,10 @@ def test_projection_module_and_gradients() -> None:
     s, t, lengths = make_inputs(7, ds=20, dt=24)  # 20 is not divisible by 8 heads: projected to 24
     spec = get_loss("mgskd_token")
     s_info, t_info = {"hidden": 20, "layers": 2}, {"hidden": 24, "layers": 4}
-    module = spec.module_factory(s_info, t_info, PAIRS, heads=8).double()
+    module = spec.build_module(s_info, t_info, PAIRS, heads=8).double()
     assert module.proj is not None and module.proj.weight.shape == (24, 20)
-    assert spec.module_factory({"hidden": 16}, t_info, PAIRS, heads=8).proj is None
-    assert spec.module_factory({"hidden": 16}, t_info, PAIRS, heads=8, project="always").proj is not None
+    assert spec.build_module({"hidden": 16}, t_info, PAIRS, heads=8).proj is None
+    assert spec.build_module({"hidden": 16}, t_info, PAIRS, heads=8, project="always").proj is not None
     hs = tuple(h.clone().requires_grad_(True) for h in s.hidden_states)
     s.hidden_states = hs
     val = call("mgskd_token", s, t, module=module, heads=8)
@@ -355,16 +355,16 @@ def test_objective_config_defaults_and_switches() -> None:
     assert [p.name for p in plans] == ["structural", "prediction"]
     st = {t.key: t for t in plans[0].terms}
     assert {k: v.weight for k, v in st.items()} == {"mgskd_token": 1.0, "mgskd_span": 1.0, "mgskd_sample": 4.0}
-    assert st["mgskd_token"].params["heads"] == 64 and st["mgskd_token"].params["k1"] == 20
-    assert st["mgskd_token"].params["k2"] == 20 and st["mgskd_token"].params["boundary"] == 2
-    assert st["mgskd_sample"].params["pair"] is False and st["mgskd_span"].params["min_spans"] == 3
+    assert st["mgskd_token"].params.heads == 64 and st["mgskd_token"].params.k1 == 20
+    assert st["mgskd_token"].params.k2 == 20 and st["mgskd_token"].params.boundary == 2
+    assert st["mgskd_sample"].params.pair is False and st["mgskd_span"].params.min_spans == 3
     assert plans[0].cfg["lr"] == 1e-5 and plans[0].cfg["epochs"] == 20 and not plans[0].cfg["select_best"]
     assert "spans" in plans[0].student_needs and "spans" not in plans[0].teacher_needs
     assert [t.key for t in plans[1].terms] == ["mgskd_prediction"]
-    assert plans[1].terms[0].params == {"temperature": 1.0, "regression": "finetune"}
+    assert plans[1].terms[0].params.as_dict() == {"temperature": 1.0, "regression": "finetune"}
     off = plan_stages(compose(["objective=mgskd", "objective.params.span=false", "objective.params.sample_pair=true",
                                "objective.params.lambda_sample=2"]).objective)
-    assert [(t.key, t.weight, t.params["pair"]) for t in off[0].terms] == [
+    assert [(t.key, t.weight, t.params.pair) for t in off[0].terms] == [
         ("mgskd_token", 1.0, True), ("mgskd_sample", 2.0, True)]
     assert "spans" not in off[0].student_needs
 

@@ -1,5 +1,17 @@
-"""Loss terms: pure functions over feature records, registered by name."""
+"""Loss terms: pure functions over feature records that declare themselves (see registry)."""
 
-from kdrun.losses.registry import LOSSES, LossContext, LossSpec, check_params, get_loss, register_loss
+from kdrun.losses.registry import (
+    LOSSES,
+    LossContext,
+    LossSpec,
+    NoParams,
+    ParamError,
+    Params,
+    check_params,
+    get_loss,
+    param,
+    register_loss,
+)
 
-__all__ = ["LOSSES", "LossContext", "LossSpec", "check_params", "get_loss", "register_loss"]
+__all__ = ["LOSSES", "LossContext", "LossSpec", "NoParams", "ParamError", "Params", "check_params", "get_loss",
+           "param", "register_loss"]

@@ -33,38 +33,56 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from kdrun.features import Features
-from kdrun.losses.registry import LossContext, register_loss
+from kdrun.losses.registry import LossContext, Params, param, positive, register_loss
 from kdrun.losses.relations import LOSSES, PHIS, REDUCTIONS, angle_loss, pair_loss
 
-# ------------------------------------------------------------------------------------------ checks
-
-# Where objective=ckd's YAML takes each term parameter from, for error messages.
-_SOURCE = {"loss": "pair_loss / angle_loss", "phi": "pair_phi", "normalize": "pair_normalize",
-           "window": "window_pair / window_angle", "huber_beta": "huber_beta", "reduction": "reduction"}
+# ------------------------------------------------------------------------------------- parameters
 
 
-def _bad(param: str, what: str) -> ValueError:
-    return ValueError(f"params.{param}: {what} (with objective=ckd, set objective.params.{_SOURCE[param]})")
+def _window(value: int | None) -> str | None:
+    return None if value is None or value >= 1 else "must be a positive integer (tokens on each side) or null (all)"
 
 
-def _check_common(loss: str, huber_beta: float, window=None, phi: str | None = None,
-                  normalize: bool = False, reduction: str = "mean") -> None:
-    if reduction not in REDUCTIONS:
-        raise _bad("reduction", f"'{reduction}' is not one of {', '.join(REDUCTIONS)}")
-    if loss not in LOSSES:
-        raise _bad("loss", f"'{loss}' is not one of {', '.join(LOSSES)}")
-    if isinstance(huber_beta, bool) or not isinstance(huber_beta, (int, float)) or not huber_beta > 0:
-        raise _bad("huber_beta", f"{huber_beta!r} must be a number > 0")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise _bad("window", f"{window!r} must be a positive integer (tokens on each side) or null (all)")
-    if phi is not None and phi not in PHIS:
-        raise _bad("phi", f"'{phi}' is not one of {', '.join(PHIS)}")
-    if normalize and phi != "l2":
-        raise _bad("normalize", "true divides distances by their mean, so it needs phi=l2, not cosine")
+@dataclass(frozen=True)
+class _Common(Params):
+    objective = "ckd"  # messages name objective=ckd's keys (pair_loss, window_pair, ...)
+
+    huber_beta: float = param(1.0, check=positive)
+    reduction: str = param("mean", choices=REDUCTIONS)
 
 
-def _check_ltr(layer_pairs) -> None:
+@dataclass(frozen=True)
+class PairParams(_Common):
+    """Pair relations: phi (cosine | l2), normalize (l2 distances by their mean), matching loss."""
+
+    phi: str = param("cosine", choices=PHIS, key="pair_phi")
+    normalize: bool = param(False, key="pair_normalize")
+    loss: str = param("kl", choices=LOSSES, key="pair_loss")
+
+    def validate(self) -> None:
+        if self.normalize and self.phi != "l2":
+            self.fail("normalize", "divides distances by their mean, so it needs phi=l2, not cosine")
+
+
+@dataclass(frozen=True)
+class WRPairParams(PairParams):
+    window: int | None = param(None, check=_window, key="window_pair")
+
+
+@dataclass(frozen=True)
+class AngleParams(_Common):
+    loss: str = param("mse", choices=LOSSES, key="angle_loss")
+
+
+@dataclass(frozen=True)
+class WRAngleParams(AngleParams):
+    window: int | None = param(None, check=_window, key="window_angle")
+
+
+def _check_ltr(student_info, teacher_info, layer_pairs, p: Params) -> None:
     if len(layer_pairs) < 2:
         raise ValueError(
             f"LTR relates each token's representations across the aligned layers, but the mapping gives "
@@ -72,27 +90,6 @@ def _check_ltr(layer_pairs) -> None:
             "(mapping.include_embeddings=true) or turn LTR off (objective.params.ltr_pair=false "
             "objective.params.ltr_angle=false)"
         )
-
-
-def _check_wr_pair(student_info, teacher_info, layer_pairs, phi="cosine", normalize=False, loss="kl",
-                   window=None, huber_beta=1.0, reduction="mean") -> None:
-    _check_common(loss, huber_beta, window, phi, normalize, reduction)
-
-
-def _check_wr_angle(student_info, teacher_info, layer_pairs, loss="mse", window=None, huber_beta=1.0,
-                    reduction="mean") -> None:
-    _check_common(loss, huber_beta, window, reduction=reduction)
-
-
-def _check_ltr_pair(student_info, teacher_info, layer_pairs, phi="cosine", normalize=False, loss="kl",
-                    huber_beta=1.0, reduction="mean") -> None:
-    _check_common(loss, huber_beta, None, phi, normalize, reduction)
-    _check_ltr(layer_pairs)
-
-
-def _check_ltr_angle(student_info, teacher_info, layer_pairs, loss="mse", huber_beta=1.0, reduction="mean") -> None:
-    _check_common(loss, huber_beta, reduction=reduction)
-    _check_ltr(layer_pairs)
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -125,11 +122,8 @@ def _token_layer_points(hidden: tuple[torch.Tensor, ...], layers: list[int], mas
 
 # ------------------------------------------------------------------------------------------- terms
 
-@register_loss("ckd_wr_pair", needs={"hidden_states"}, check=_check_wr_pair)
-def ckd_wr_pair(
-    s: Features, t: Features, batch, ctx: LossContext, phi: str = "cosine", normalize: bool = False,
-    loss: str = "kl", window: int | None = None, huber_beta: float = 1.0, reduction: str = "mean",
-) -> torch.Tensor:
+@register_loss("ckd_wr_pair", params=WRPairParams, needs={"hidden_states"})
+def ckd_wr_pair(s: Features, t: Features, batch, ctx: LossContext, p: WRPairParams) -> torch.Tensor:
     """CKD word relation, pair-wise: sum over aligned layers of the mean LD(phi_s(i, j), phi_t(i, j)).
 
     phi: ``l2`` (distance, seed 000) or ``cosine`` (seed 001); normalize: divide distances by the
@@ -140,16 +134,13 @@ def ckd_wr_pair(
     hs, ht, mask = _hidden(s, t, ctx, "ckd_wr_pair")
     total = hs[0].new_zeros((), dtype=torch.float32)
     for si, ti in ctx.layer_pairs:
-        total = total + pair_loss(hs[si], ht[ti], mask, phi=phi, normalize=normalize, loss=loss, window=window,
-                                  huber_beta=huber_beta, reduction=reduction)
-    return _layer_reduce(total, len(ctx.layer_pairs), reduction)
+        total = total + pair_loss(hs[si], ht[ti], mask, phi=p.phi, normalize=p.normalize, loss=p.loss,
+                                  window=p.window, huber_beta=p.huber_beta, reduction=p.reduction)
+    return _layer_reduce(total, len(ctx.layer_pairs), p.reduction)
 
 
-@register_loss("ckd_wr_angle", needs={"hidden_states"}, check=_check_wr_angle)
-def ckd_wr_angle(
-    s: Features, t: Features, batch, ctx: LossContext, loss: str = "mse", window: int | None = None,
-    huber_beta: float = 1.0, reduction: str = "mean",
-) -> torch.Tensor:
+@register_loss("ckd_wr_angle", params=WRAngleParams, needs={"hidden_states"})
+def ckd_wr_angle(s: Features, t: Features, batch, ctx: LossContext, p: WRAngleParams) -> torch.Tensor:
     """CKD word relation, triple-wise: sum over aligned layers of the mean LD(psi_s(i,j,k), psi_t(i,j,k)).
 
     psi = cosine of the angle at vertex j; window δ: i and k within δ of the vertex (null = all).
@@ -158,16 +149,13 @@ def ckd_wr_angle(
     hs, ht, mask = _hidden(s, t, ctx, "ckd_wr_angle")
     total = hs[0].new_zeros((), dtype=torch.float32)
     for si, ti in ctx.layer_pairs:
-        total = total + angle_loss(hs[si], ht[ti], mask, loss=loss, window=window, huber_beta=huber_beta,
-                                   reduction=reduction)
-    return _layer_reduce(total, len(ctx.layer_pairs), reduction)
+        total = total + angle_loss(hs[si], ht[ti], mask, loss=p.loss, window=p.window, huber_beta=p.huber_beta,
+                                   reduction=p.reduction)
+    return _layer_reduce(total, len(ctx.layer_pairs), p.reduction)
 
 
-@register_loss("ckd_ltr_pair", needs={"hidden_states"}, check=_check_ltr_pair)
-def ckd_ltr_pair(
-    s: Features, t: Features, batch, ctx: LossContext, phi: str = "cosine", normalize: bool = False,
-    loss: str = "kl", huber_beta: float = 1.0, reduction: str = "mean",
-) -> torch.Tensor:
+@register_loss("ckd_ltr_pair", params=PairParams, needs={"hidden_states"}, check=_check_ltr)
+def ckd_ltr_pair(s: Features, t: Features, batch, ctx: LossContext, p: PairParams) -> torch.Tensor:
     """CKD layer transforming relation, pair-wise: relations among each token's aligned-layer vectors.
 
     Per real token, the l x l relation matrix of its representations at the aligned layers
@@ -177,15 +165,12 @@ def ckd_ltr_pair(
     xs = _token_layer_points(hs, [p[0] for p in ctx.layer_pairs], mask)
     xt = _token_layer_points(ht, [p[1] for p in ctx.layer_pairs], mask)
     ones = torch.ones(xs.shape[:2], dtype=torch.bool, device=xs.device)
-    return pair_loss(xs, xt, ones, phi=phi, normalize=normalize, loss=loss, window=None, huber_beta=huber_beta,
-                     reduction=reduction)
+    return pair_loss(xs, xt, ones, phi=p.phi, normalize=p.normalize, loss=p.loss, window=None,
+                     huber_beta=p.huber_beta, reduction=p.reduction)
 
 
-@register_loss("ckd_ltr_angle", needs={"hidden_states"}, check=_check_ltr_angle)
-def ckd_ltr_angle(
-    s: Features, t: Features, batch, ctx: LossContext, loss: str = "mse", huber_beta: float = 1.0,
-    reduction: str = "mean",
-) -> torch.Tensor:
+@register_loss("ckd_ltr_angle", params=AngleParams, needs={"hidden_states"}, check=_check_ltr)
+def ckd_ltr_angle(s: Features, t: Features, batch, ctx: LossContext, p: AngleParams) -> torch.Tensor:
     """CKD layer transforming relation, triple-wise: angles among each token's aligned-layer vectors.
 
     Per real token, the l^3 angles (vertex = a layer); mean over the batch's tokens and valid triples.
@@ -194,4 +179,4 @@ def ckd_ltr_angle(
     xs = _token_layer_points(hs, [p[0] for p in ctx.layer_pairs], mask)
     xt = _token_layer_points(ht, [p[1] for p in ctx.layer_pairs], mask)
     ones = torch.ones(xs.shape[:2], dtype=torch.bool, device=xs.device)
-    return angle_loss(xs, xt, ones, loss=loss, window=None, huber_beta=huber_beta, reduction=reduction)
+    return angle_loss(xs, xt, ones, loss=p.loss, window=None, huber_beta=p.huber_beta, reduction=p.reduction)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kdrun.features import Features
-from kdrun.losses.registry import LossContext, register_loss
+from kdrun.losses.registry import LossContext, NoParams, register_loss
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -15,7 +15,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * m).sum() / denom.clamp_min(1.0)
 
 
-def _same_width(student_info, teacher_info, layer_pairs, **params) -> None:
+def _same_width(student_info, teacher_info, layer_pairs, p: NoParams) -> None:
     if student_info["hidden"] != teacher_info["hidden"]:
         raise ValueError(
             f"hidden_mse compares hidden states directly, but the student's width is "
@@ -25,7 +25,7 @@ def _same_width(student_info, teacher_info, layer_pairs, **params) -> None:
 
 
 @register_loss("hidden_mse", needs={"hidden_states"}, check=_same_width)
-def hidden_mse(s: Features, t: Features, batch, ctx: LossContext) -> torch.Tensor:
+def hidden_mse(s: Features, t: Features, batch, ctx: LossContext, p: NoParams) -> torch.Tensor:
     """Sum over mapped layer pairs of the MSE between hidden states, averaged over real tokens.
 
     Needs equal widths (a truncated student of its teacher); projections come with TinyBERT.

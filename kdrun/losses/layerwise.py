@@ -24,6 +24,8 @@ chosen on the command line (``mapping=mean``) replaces it, ``mapping: null`` def
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Any, Callable, Iterator
 
 import torch
@@ -32,23 +34,29 @@ from torch import nn
 
 from kdrun.features import Features, fp32
 from kdrun.losses.hidden import masked_mean
-from kdrun.losses.registry import LossContext, register_loss
-from kdrun.mapping import LayerMap, MappedPairs, Row, pairs_map
+from kdrun.losses.registry import LossContext, Params, param, register_loss
+from kdrun.mapping import BUCKETS, MAPPINGS, LayerMap, MappedPairs, Row, pairs_map
 
 PROJECTIONS = ("none", "shared", "per_layer")
 ONE_TO_ONE, WEIGHTED, PER_SAMPLE, CONCAT = "pairs", "weights", "sample", "concat"
 
 
-def reads_layer_map(*kinds: str):
-    """Mark a loss term as reading ``ctx.layer_map`` and handling these map kinds
-    (kdrun.mapping.KINDS). No kinds: the term ignores the mapping (e.g. MiniLM's last layer).
-    Terms without the mark that read hidden states accept one-to-one maps only."""
+LAYER_MAP_KINDS = frozenset({ONE_TO_ONE, WEIGHTED, PER_SAMPLE})  # what the mapped() helper handles
 
-    def deco(fn):
-        fn.layer_map_kinds = frozenset(kinds)
-        return fn
 
-    return deco
+@dataclass(frozen=True)
+class ProjectionParams(Params):
+    """``projection``: learned linear maps of student vectors to the teacher's width (or none)."""
+
+    projection: str = param("none", choices=PROJECTIONS)
+
+
+def _map_param(default: str | None) -> object:
+    return param(default, choices=(*MAPPINGS, None))
+
+
+def _buckets_param(default: str | None) -> object:
+    return param(default, choices=(*BUCKETS, None))
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -103,10 +111,9 @@ class Projections(nn.Module):
     layer (TinyBERT's official code) or one per student layer. When the widths are equal they start
     as the identity, so a truncated student keeps its initial alignment with the teacher."""
 
-    def __init__(self, layers: list[int], d_in: int, d_out: int, mode: str, share_key: str | None = None):
+    def __init__(self, layers: list[int], d_in: int, d_out: int, mode: str):
         super().__init__()
         self.mode = mode
-        self.share_key = share_key
         if mode == "shared":
             self.proj = nn.Linear(d_in, d_out)
             lins = [self.proj]
@@ -123,9 +130,6 @@ class Projections(nn.Module):
 
 
 def check_projection(term: str, projection: str, student_info: dict, teacher_info: dict) -> None:
-    if projection not in PROJECTIONS:
-        raise ValueError(f"params.projection='{projection}' must be one of {', '.join(PROJECTIONS)} "
-                         "(with the shipped objectives: objective.params.projection)")
     if projection == "none" and student_info["hidden"] != teacher_info["hidden"]:
         raise ValueError(
             f"{term} compares student and teacher vectors directly, but the student's width is "
@@ -144,11 +148,10 @@ def check_attention_map_width(term: str, pairs: Any, d_student: int, d_teacher: 
 
 
 def make_projections(student_info: dict, teacher_info: dict, pairs: Any, projection: str,
-                     embeddings: bool, share_key: str | None = None) -> Projections | None:
+                     embeddings: bool) -> Projections | None:
     if projection == "none":
         return None
-    return Projections(student_layers(pairs, embeddings), student_info["hidden"], teacher_info["hidden"],
-                       projection, share_key)
+    return Projections(student_layers(pairs, embeddings), student_info["hidden"], teacher_info["hidden"], projection)
 
 
 def masked_log_softmax(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -171,25 +174,24 @@ def attention_kl(log_ps: torch.Tensor, pt: torch.Tensor, mask: torch.Tensor) -> 
     return per_query[valid].mean()
 
 
-def projection_check(term: str, default: str = "none"):
+def projection_check(term: str):
     """``check`` of a term that may project student vectors to the teacher's width (``projection``)."""
 
-    def check(student_info, teacher_info, pairs, projection=default, **_) -> None:
-        check_projection(term, projection, student_info, teacher_info)
-        d = teacher_info["hidden"] if projection != "none" else student_info["hidden"]
+    def check(student_info, teacher_info, pairs, p: ProjectionParams) -> None:
+        check_projection(term, p.projection, student_info, teacher_info)
+        d = teacher_info["hidden"] if p.projection != "none" else student_info["hidden"]
         check_attention_map_width(term, pairs, d, teacher_info["hidden"])
 
     return check
 
 
-def projection_factory(embeddings: bool, default: str = "none", share_key: str | None = None):
-    """``module_factory`` building the term's :class:`Projections` (none when ``projection=none``)."""
+def projection_module(embeddings: bool):
+    """``module`` declaration building the term's :class:`Projections` (none when ``projection=none``)."""
 
-    def factory(student_info, teacher_info, pairs, projection=default, **_):
-        key = f"{share_key}_{projection}" if share_key else None
-        return make_projections(student_info, teacher_info, pairs, projection, embeddings, key)
+    def build(student_info, teacher_info, pairs, p: ProjectionParams) -> Projections | None:
+        return make_projections(student_info, teacher_info, pairs, p.projection, embeddings)
 
-    return factory
+    return build
 
 
 def relation_kl(rel_s: torch.Tensor, rel_t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -200,14 +202,20 @@ def relation_kl(rel_s: torch.Tensor, rel_t: torch.Tensor, mask: torch.Tensor) ->
 
 # --------------------------------------------------------------------------------------- PKD
 
-_check_pkd = projection_check("pkd_patience")
-_pkd_module = projection_factory(embeddings=False)
+@dataclass(frozen=True)
+class PKDParams(ProjectionParams):
+    """``match_last``: also match the student's last layer; ``mapping`` / ``buckets``: the paper's map,
+    used while the mapping group is at its default (uniform)."""
+
+    objective = "pkd"
+    match_last: bool = False
+    mapping: str | None = _map_param("skip")
+    buckets: str | None = _buckets_param(None)
 
 
-@reads_layer_map(ONE_TO_ONE, WEIGHTED, PER_SAMPLE)
-@register_loss("pkd_patience", needs={"hidden_states"}, check=_check_pkd, module_factory=_pkd_module)
-def pkd_patience(s: Features, t: Features, batch, ctx: LossContext, projection: str = "none",
-                 match_last: bool = False, mapping: str | None = "skip", buckets: str | None = None) -> torch.Tensor:
+@register_loss("pkd_patience", params=PKDParams, needs={"hidden_states"}, map_kinds=LAYER_MAP_KINDS,
+               check=projection_check("pkd_patience"), module=projection_module(embeddings=False))
+def pkd_patience(s: Features, t: Features, batch, ctx: LossContext, p: PKDParams) -> torch.Tensor:
     """PKD: MSE of L2-normalised [CLS] vectors of mapped layers, mean over examples, dims and layers."""
     vals = [((F.normalize(xs, dim=-1) - F.normalize(tgt, dim=-1)) ** 2).mean()
             for _, xs, tgt in mapped(s, t, ctx, cls, ctx.module, embeddings=False)]
@@ -216,13 +224,14 @@ def pkd_patience(s: Features, t: Features, batch, ctx: LossContext, projection: 
 
 # -------------------------------------------------------------------------------- DistilBERT
 
-_check_cosine = projection_check("hidden_cosine")
-_cosine_module = projection_factory(embeddings=True)
+@dataclass(frozen=True)
+class CosineParams(ProjectionParams):
+    objective = "distilbert"
 
 
-@reads_layer_map(ONE_TO_ONE, WEIGHTED, PER_SAMPLE)
-@register_loss("hidden_cosine", needs={"hidden_states"}, check=_check_cosine, module_factory=_cosine_module)
-def hidden_cosine(s: Features, t: Features, batch, ctx: LossContext, projection: str = "none") -> torch.Tensor:
+@register_loss("hidden_cosine", params=CosineParams, needs={"hidden_states"}, map_kinds=LAYER_MAP_KINDS,
+               check=projection_check("hidden_cosine"), module=projection_module(embeddings=True))
+def hidden_cosine(s: Features, t: Features, batch, ctx: LossContext, p: CosineParams) -> torch.Tensor:
     """DistilBERT: 1 − cos(h_s, h_t) over real tokens, summed over mapped layers."""
     total = s.logits.new_zeros((), dtype=torch.float32)
     for _, xs, tgt in mapped(s, t, ctx, lambda h: h, ctx.module, embeddings=True):
@@ -232,10 +241,16 @@ def hidden_cosine(s: Features, t: Features, batch, ctx: LossContext, projection:
 
 # ------------------------------------------------------------------------------------ ALP-KD
 
-@reads_layer_map(ONE_TO_ONE, WEIGHTED, PER_SAMPLE)
-@register_loss("alp", needs={"hidden_states"}, check=projection_check("alp"), module_factory=_pkd_module)
-def alp(s: Features, t: Features, batch, ctx: LossContext, projection: str = "none", match_last: bool = False,
-        mapping: str | None = "attention", buckets: str | None = "all") -> torch.Tensor:
+@dataclass(frozen=True)
+class ALPParams(PKDParams):
+    objective = "alp"
+    mapping: str | None = _map_param("attention")
+    buckets: str | None = _buckets_param("all")
+
+
+@register_loss("alp", params=ALPParams, needs={"hidden_states"}, map_kinds=LAYER_MAP_KINDS,
+               check=projection_check("alp"), module=projection_module(embeddings=False))
+def alp(s: Features, t: Features, batch, ctx: LossContext, p: ALPParams) -> torch.Tensor:
     """ALP-KD: Σ_j MSE(h_s^j, C_j) on [CLS] vectors; C_j from the mapping (attention: per-example α)."""
     vals = [((xs - tgt) ** 2).mean() for _, xs, tgt in mapped(s, t, ctx, cls, ctx.module, embeddings=False)]
     return torch.stack(vals).sum()
@@ -260,21 +275,28 @@ class RowProjections(nn.Module):
         return lin(x.to(lin.weight.dtype))
 
 
-def _check_comb(student_info, teacher_info, pairs, **_) -> None:
+@dataclass(frozen=True)
+class CombParams(Params):
+    objective = "comb"
+    match_last: bool = False
+    mapping: str | None = _map_param("concat")
+    buckets: str | None = _buckets_param("no")
+
+
+def _check_comb(student_info, teacher_info, pairs, p: CombParams) -> None:
     check_attention_map_width("comb", pairs, student_info["hidden"], teacher_info["hidden"])
 
 
-def _comb_module(student_info, teacher_info, pairs, **_):
+def _comb_module(student_info, teacher_info, pairs, p: CombParams) -> RowProjections:
     lmap = getattr(pairs, "layer_map", None) or pairs_map(pairs)
     d_t = teacher_info["hidden"]
     in_dims = {r.student: d_t * (len(r.teachers) if lmap.kind == CONCAT else 1) for r in lmap.rows if r.student > 0}
     return RowProjections(in_dims, student_info["hidden"])
 
 
-@reads_layer_map(ONE_TO_ONE, WEIGHTED, PER_SAMPLE, CONCAT)
-@register_loss("comb", needs={"hidden_states"}, check=_check_comb, module_factory=_comb_module)
-def comb(s: Features, t: Features, batch, ctx: LossContext, match_last: bool = False,
-         mapping: str | None = "concat", buckets: str | None = "no") -> torch.Tensor:
+@register_loss("comb", params=CombParams, needs={"hidden_states"}, map_kinds=LAYER_MAP_KINDS | {CONCAT},
+               check=_check_comb, module=_comb_module)
+def comb(s: Features, t: Features, batch, ctx: LossContext, p: CombParams) -> torch.Tensor:
     """Combinatorial KD: Σ_j MSE(h_s^j, W_j C_j) on [CLS] vectors; C_j = the bucket's concatenation
     under mapping=concat, projected to the student's width by a learned W_j."""
     vals = [((xs - fp32(ctx.module(tgt, row.student))) ** 2).mean()

@@ -42,14 +42,15 @@ Everything is computed in fp32 with autocast off; the teacher side without gradi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kdrun.features import Features
-from kdrun.losses.prediction import logit_kd
-from kdrun.losses.registry import LossContext, register_loss
+from kdrun.losses.prediction import Temperature, logit_kd
+from kdrun.losses.registry import LossContext, ParamError, Params, param, positive, positive_int, register_loss
 from kdrun.losses.relations import _safe_rsqrt, _tiny, _tol, angle_loss, center, full_precision, gram, relation_dtype
 
 PROJECT = ("auto", "always", "never")
@@ -226,15 +227,56 @@ class MGSKDModule(nn.Module):
         return out
 
 
+@dataclass(frozen=True)
+class StructureParams(Params):
+    """Shared by the three levels: m relation heads, the boundary layer M between the token/span and
+    sample levels (``hierarchical``), the projection policy, the Huber β and the relation types."""
+
+    objective = "mgskd"
+    level = ""  # token | span | sample
+
+    heads: int = param(64, check=positive_int)
+    boundary: int = 2
+    hierarchical: bool = True
+    project: str = param("auto", choices=PROJECT)
+    huber_beta: float = param(1.0, check=positive)
+    pair: bool = True
+    angle: bool = True
+
+    def validate(self) -> None:
+        if not (self.pair or self.angle):
+            raise ParamError(f"both relation types of mgskd_{self.level} are off; set its weight to 0 instead "
+                             f"(objective.params.{self.level}=false)")
+
+
+@dataclass(frozen=True)
+class TokenParams(StructureParams):
+    level = "token"
+    k1: int = param(20, check=positive_int)
+    k2: int = param(20, check=positive_int)
+
+
+@dataclass(frozen=True)
+class SpanParams(TokenParams):
+    level = "span"
+    min_spans: int = param(3, check=positive_int)
+
+
+@dataclass(frozen=True)
+class SampleParams(StructureParams):
+    level = "sample"
+    pair: bool = False
+
+
 def _needs_projection(student_info, teacher_info, heads: int, project: str) -> bool:
     if project == "always":
         return True
     return project == "auto" and student_info["hidden"] % heads != 0
 
 
-def _factory(student_info, teacher_info, layer_pairs, heads: int = 64, project: str = "auto", **_) -> nn.Module:
+def _factory(student_info, teacher_info, layer_pairs, p: StructureParams) -> nn.Module:
     return MGSKDModule(student_info["hidden"], teacher_info["hidden"],
-                       _needs_projection(student_info, teacher_info, heads, project))
+                       _needs_projection(student_info, teacher_info, p.heads, p.project))
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -245,39 +287,23 @@ def _layers(layer_pairs, boundary: int, hierarchical: bool, top: bool) -> list[t
     return [p for p in layer_pairs if (p[0] >= boundary) == top]
 
 
-def _check(term: str, top: bool, pair_default: bool = True):
-    def check(student_info, teacher_info, layer_pairs, heads=64, k1=20, k2=20, boundary=2, hierarchical=True,
-              project="auto", huber_beta=1.0, pair=pair_default, angle=True, min_spans=3, **_) -> None:
-        src = "objective.params"
-        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
-            raise ValueError(f"heads={heads!r} must be a positive integer ({src}.heads)")
-        if project not in PROJECT:
-            raise ValueError(f"project='{project}' must be one of {', '.join(PROJECT)} ({src}.project)")
-        if teacher_info["hidden"] % heads:
-            divisors = [m for m in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96) if teacher_info["hidden"] % m == 0]
-            raise ValueError(f"the teacher's width {teacher_info['hidden']} is not divisible by heads={heads}; "
-                             f"set {src}.heads to a divisor of it (e.g. {divisors[-3:]})")
-        width = teacher_info["hidden"] if _needs_projection(student_info, teacher_info, heads, project) \
-            else student_info["hidden"]
-        if width % heads:
-            raise ValueError(f"the student's width {student_info['hidden']} is not divisible by heads={heads} and "
-                             f"project=never; set {src}.project=auto (a learned projection to the teacher's width) "
-                             "or choose heads dividing both widths")
-        for name, k in (("k1", k1), ("k2", k2), ("min_spans", min_spans)):
-            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-                raise ValueError(f"{name}={k!r} must be a positive integer ({src}.{name})")
-        if isinstance(huber_beta, bool) or not isinstance(huber_beta, (int, float)) or not huber_beta > 0:
-            raise ValueError(f"huber_beta={huber_beta!r} must be a number > 0 ({src}.huber_beta)")
-        if not (pair or angle):
-            raise ValueError(f"both relation types of {term} are off; set its weight to 0 instead "
-                             f"({src}.{term.split('_')[1]}=false)")
-        if not _layers(layer_pairs, boundary, hierarchical, top):
-            where = "from" if top else "below"
-            raise ValueError(
-                f"no student layer {where} the boundary M={boundary} among the layer pairs {layer_pairs}, so {term} "
-                f"has nothing to distil; change {src}.boundary, or switch the term off "
-                f"({src}.{term.split('_')[1]}=false)")
-    return check
+def _check(student_info, teacher_info, layer_pairs, p: StructureParams) -> None:
+    src, heads, term = "objective.params", p.heads, f"mgskd_{p.level}"
+    if teacher_info["hidden"] % heads:
+        divisors = [m for m in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96) if teacher_info["hidden"] % m == 0]
+        raise ValueError(f"the teacher's width {teacher_info['hidden']} is not divisible by heads={heads}; "
+                         f"set {src}.heads to a divisor of it (e.g. {divisors[-3:]})")
+    width = teacher_info["hidden"] if _needs_projection(student_info, teacher_info, heads, p.project) \
+        else student_info["hidden"]
+    if width % heads:
+        raise ValueError(f"the student's width {student_info['hidden']} is not divisible by heads={heads} and "
+                         f"project=never; set {src}.project=auto (a learned projection to the teacher's width) "
+                         "or choose heads dividing both widths")
+    if not _layers(layer_pairs, p.boundary, p.hierarchical, p.level == "sample"):
+        where = "from" if p.level == "sample" else "below"
+        raise ValueError(
+            f"no student layer {where} the boundary M={p.boundary} among the layer pairs {layer_pairs}, so {term} "
+            f"has nothing to distil; change {src}.boundary, or switch the term off ({src}.{p.level}=false)")
 
 
 # ------------------------------------------------------------------------------------------- terms
@@ -315,46 +341,41 @@ def _within_examples(hs, ht, pairs, module, points, mask, parts: dict, **kw) -> 
     return lp + la
 
 
-@register_loss("mgskd_token", needs={"hidden_states"}, module_factory=_factory, check=_check("mgskd_token", False))
-def mgskd_token(s: Features, t: Features, batch, ctx: LossContext, heads: int = 64, k1: int = 20, k2: int = 20,
-                boundary: int = 2, hierarchical: bool = True, project: str = "auto", pair: bool = True,
-                angle: bool = True, huber_beta: float = 1.0) -> torch.Tensor:
+def _structure_kw(p: TokenParams) -> dict:
+    return {"heads": p.heads, "pair": p.pair, "angle": p.angle, "k1": p.k1, "k2": p.k2, "huber_beta": p.huber_beta}
+
+
+@register_loss("mgskd_token", params=TokenParams, needs={"hidden_states"}, module=_factory, check=_check)
+def mgskd_token(s: Features, t: Features, batch, ctx: LossContext, p: TokenParams) -> torch.Tensor:
     """MGSKD token level: Σ over layer pairs below M of MSE(pair interactions) + Huber(salient angles)."""
     hs, ht, mask = _hidden(s, t, "mgskd_token")
     parts: dict[str, torch.Tensor] = {}
     with full_precision(hs[0].device):
-        total = _within_examples(hs, ht, _layers(ctx.layer_pairs, boundary, hierarchical, top=False), ctx.module,
-                                 lambda x: x, mask, parts, heads=heads, pair=pair, angle=angle, k1=k1, k2=k2,
-                                 huber_beta=huber_beta)
+        total = _within_examples(hs, ht, _layers(ctx.layer_pairs, p.boundary, p.hierarchical, top=False),
+                                 ctx.module, lambda x: x, mask, parts, **_structure_kw(p))
     if ctx.module is not None:
         ctx.module.record(**parts)
     return total
 
 
-@register_loss("mgskd_span", needs={"hidden_states", "spans"}, teacher_needs={"hidden_states"},
-               module_factory=_factory, check=_check("mgskd_span", False))
-def mgskd_span(s: Features, t: Features, batch, ctx: LossContext, heads: int = 64, k1: int = 20, k2: int = 20,
-               boundary: int = 2, hierarchical: bool = True, project: str = "auto", pair: bool = True,
-               angle: bool = True, huber_beta: float = 1.0, min_spans: int = 3) -> torch.Tensor:
+@register_loss("mgskd_span", params=SpanParams, needs={"hidden_states", "spans"}, teacher_needs={"hidden_states"},
+               module=_factory, check=_check)
+def mgskd_span(s: Features, t: Features, batch, ctx: LossContext, p: SpanParams) -> torch.Tensor:
     """MGSKD span level: as the token level among span means; examples with < min_spans spans left out."""
     hs, ht, _ = _hidden(s, t, "mgskd_span")
     spans = s.require("spans").to(hs[0].device)
-    smask = span_mask(spans, min_spans)
+    smask = span_mask(spans, p.min_spans)
     parts: dict[str, torch.Tensor] = {}
     with full_precision(hs[0].device):
-        total = _within_examples(hs, ht, _layers(ctx.layer_pairs, boundary, hierarchical, top=False), ctx.module,
-                                 lambda x: span_points(x, spans), smask, parts, heads=heads, pair=pair, angle=angle,
-                                 k1=k1, k2=k2, huber_beta=huber_beta)
+        total = _within_examples(hs, ht, _layers(ctx.layer_pairs, p.boundary, p.hierarchical, top=False),
+                                 ctx.module, lambda x: span_points(x, spans), smask, parts, **_structure_kw(p))
     if ctx.module is not None:
         ctx.module.record(**parts, examples=smask.any(-1).float().sum())
     return total
 
 
-@register_loss("mgskd_sample", needs={"hidden_states"}, module_factory=_factory,
-               check=_check("mgskd_sample", True, pair_default=False))
-def mgskd_sample(s: Features, t: Features, batch, ctx: LossContext, heads: int = 64, boundary: int = 2,
-                 hierarchical: bool = True, project: str = "auto", pair: bool = False, angle: bool = True,
-                 huber_beta: float = 1.0) -> torch.Tensor:
+@register_loss("mgskd_sample", params=SampleParams, needs={"hidden_states"}, module=_factory, check=_check)
+def mgskd_sample(s: Features, t: Features, batch, ctx: LossContext, p: SampleParams) -> torch.Tensor:
     """MGSKD sample level: Σ over layer pairs from M up of Huber(angles among the batch's mean-pooled
     samples, all triples, in each of the m heads) [+ MSE(their pair interactions)]."""
     hs, ht, mask = _hidden(s, t, "mgskd_sample")
@@ -362,21 +383,22 @@ def mgskd_sample(s: Features, t: Features, batch, ctx: LossContext, heads: int =
     dt = relation_dtype(hs[0])
     with full_precision(hs[0].device):
         lp = la = _prep(hs[0], dt).sum() * 0.0
-        for si, ti in _layers(ctx.layer_pairs, boundary, hierarchical, top=True):
+        heads = p.heads
+        for si, ti in _layers(ctx.layer_pairs, p.boundary, p.hierarchical, top=True):
             xs = module(_prep(hs[si], dt)) if module is not None else _prep(hs[si], dt)
             vs = sample_points(xs, mask)  # (B, d)
             with torch.no_grad():
                 vt = sample_points(_prep(ht[ti], dt), mask)
-            if angle:
+            if p.angle:
                 hs_ = split_heads(vs[None], heads)[0]  # (m, B, d/m): one point set per head
                 ht_ = split_heads(vt[None], heads)[0]
                 ones = torch.ones(hs_.shape[:2], dtype=torch.bool, device=vs.device)
-                la = la + angle_loss(hs_, ht_, ones, loss="huber", window=None, huber_beta=huber_beta)
-            if pair:
+                la = la + angle_loss(hs_, ht_, ones, loss="huber", window=None, huber_beta=p.huber_beta)
+            if p.pair:
                 ones = torch.ones((1, vs.shape[0]), dtype=torch.bool, device=vs.device)
                 lp = lp + pair_mse(vs[None], vt[None], ones, heads)
         if module is not None:
-            module.record(**({"pair": lp} if pair else {}), **({"angle": la} if angle else {}))
+            module.record(**({"pair": lp} if p.pair else {}), **({"angle": la} if p.angle else {}))
         return lp + la
 
 
@@ -385,20 +407,24 @@ def mgskd_sample(s: Features, t: Features, batch, ctx: LossContext, heads: int =
 REGRESSION = ("finetune", "kd")
 
 
-def _check_prediction(student_info, teacher_info, layer_pairs, temperature=1.0, regression="finetune") -> None:
-    if regression not in REGRESSION:
-        raise ValueError(f"regression='{regression}' must be finetune (MSE to the gold score, the paper's STS-B "
-                         "setting) or kd (MSE to the teacher's output) (objective.params.regression)")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature={temperature!r} must be > 0 (objective.temperature)")
+def _regression(value: str) -> str | None:
+    if value in REGRESSION:
+        return None
+    return ("must be finetune (MSE to the gold score, the paper's STS-B setting) or kd (MSE to the teacher's "
+            "output)")
 
 
-@register_loss("mgskd_prediction", uses_labels=True, check=_check_prediction)
-def mgskd_prediction(s: Features, t: Features, batch, ctx: LossContext, temperature: float = 1.0,
-                     regression: str = "finetune") -> torch.Tensor:
+@dataclass(frozen=True)
+class PredictionParams(Temperature):
+    objective = "mgskd"
+    regression: str = param("finetune", check=_regression)
+
+
+@register_loss("mgskd_prediction", params=PredictionParams, uses_labels=True)
+def mgskd_prediction(s: Features, t: Features, batch, ctx: LossContext, p: PredictionParams) -> torch.Tensor:
     """MGSKD stage 2: T²·KL(p_t‖p_s) at temperature T; regression tasks (STS-B): MSE to the gold score
     (``regression=finetune``, the paper fine-tunes STS-B instead of distilling predictions) or to the
     teacher's output (``kd``)."""
-    if ctx.regression and regression == "finetune":
+    if ctx.regression and p.regression == "finetune":
         return F.mse_loss(s.logits.float().view(-1), batch["labels"].float().view(-1))
-    return logit_kd(s, t, batch, ctx, temperature=temperature)
+    return logit_kd(s, t, batch, ctx, Temperature(p.temperature))

@@ -16,42 +16,55 @@ over heads and real query tokens; padded keys take no probability.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kdrun.features import Features, fp32
-from kdrun.losses.layerwise import reads_layer_map, relation_kl
-from kdrun.losses.registry import LossContext, register_loss
+from kdrun.losses.layerwise import relation_kl
+from kdrun.losses.registry import LossContext, Params, param, positive_int, register_loss
 
 RELATIONS = {"query": "q", "key": "k", "value": "v"}
 
 
-def _layers(s: Features, t: Features, student_layer: int | None, teacher_layer: int | None) -> tuple[int, int]:
-    return (student_layer or s.qkv().num_layers, teacher_layer or t.qkv().num_layers)
+@dataclass(frozen=True)
+class LayerParams(Params):
+    """The layers compared (1..L; null: the last, as MiniLM)."""
+
+    objective = "minilm"
+    student_layer: int | None = param(None, check=positive_int)
+    teacher_layer: int | None = param(None, check=positive_int)
 
 
-def _check_layers(term: str, student_info, teacher_info, student_layer, teacher_layer) -> None:
-    for who, info, layer in (("student", student_info, student_layer), ("teacher", teacher_info, teacher_layer)):
-        if layer is not None and not (isinstance(layer, int) and 1 <= layer <= info["layers"]):
+@dataclass(frozen=True)
+class V2Params(LayerParams):
+    objective = "minilmv2"
+    relation_heads: int = param(12, check=positive_int)
+
+
+def _layers(s: Features, t: Features, p: LayerParams) -> tuple[int, int]:
+    return (p.student_layer or s.qkv().num_layers, p.teacher_layer or t.qkv().num_layers)
+
+
+def _check_layers(student_info, teacher_info, p: LayerParams) -> None:
+    for who, info, layer in (("student", student_info, p.student_layer), ("teacher", teacher_info, p.teacher_layer)):
+        if layer is not None and layer > info["layers"]:
             raise ValueError(
                 f"params.{who}_layer={layer!r} but the {who} has {info['layers']} layers; choose "
                 f"1..{info['layers']} or null (its last layer) (objective.params.{who}_layer)")
 
 
-def _check_v1(term: str, student_info, teacher_info, student_layer, teacher_layer) -> None:
-    _check_layers(term, student_info, teacher_info, student_layer, teacher_layer)
-    if student_info["heads"] != teacher_info["heads"]:
-        raise ValueError(
-            f"{term} (MiniLM v1) compares relations head by head, but the student has {student_info['heads']} "
-            f"attention heads and the teacher {teacher_info['heads']}; use a student with the teacher's head "
-            "count, or objective=minilmv2, whose relation heads do not depend on the attention heads")
+def _check_v1(term: str):
+    def check(student_info, teacher_info, pairs, p: LayerParams) -> None:
+        _check_layers(student_info, teacher_info, p)
+        if student_info["heads"] != teacher_info["heads"]:
+            raise ValueError(
+                f"{term} (MiniLM v1) compares relations head by head, but the student has "
+                f"{student_info['heads']} attention heads and the teacher {teacher_info['heads']}; use a student "
+                "with the teacher's head count, or objective=minilmv2, whose relation heads do not depend on "
+                "the attention heads")
 
-
-def _check_attention(student_info, teacher_info, pairs, student_layer=None, teacher_layer=None) -> None:
-    _check_v1("minilm_attention", student_info, teacher_info, student_layer, teacher_layer)
-
-
-def _check_value(student_info, teacher_info, pairs, student_layer=None, teacher_layer=None) -> None:
-    _check_v1("minilm_value", student_info, teacher_info, student_layer, teacher_layer)
+    return check
 
 
 def self_relation(x: torch.Tensor) -> torch.Tensor:
@@ -60,30 +73,25 @@ def self_relation(x: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x, x.transpose(-1, -2)) / x.shape[-1] ** 0.5
 
 
-@reads_layer_map()
-@register_loss("minilm_attention", needs={"attention_scores"}, check=_check_attention)
-def minilm_attention(s: Features, t: Features, batch, ctx: LossContext, student_layer: int | None = None,
-                     teacher_layer: int | None = None) -> torch.Tensor:
+@register_loss("minilm_attention", params=LayerParams, needs={"attention_scores"}, map_kinds=(),
+               check=_check_v1("minilm_attention"))
+def minilm_attention(s: Features, t: Features, batch, ctx: LossContext, p: LayerParams) -> torch.Tensor:
     """MiniLM: KL between the (last) layers' attention distributions, per head."""
-    ls, lt = _layers(s, t, student_layer, teacher_layer)
+    ls, lt = _layers(s, t, p)
     return relation_kl(s.attention_scores(ls), t.attention_scores(lt), s.attention_mask)
 
 
-@reads_layer_map()
-@register_loss("minilm_value", needs={"qkv"}, check=_check_value)
-def minilm_value(s: Features, t: Features, batch, ctx: LossContext, student_layer: int | None = None,
-                 teacher_layer: int | None = None) -> torch.Tensor:
+@register_loss("minilm_value", params=LayerParams, needs={"qkv"}, map_kinds=(), check=_check_v1("minilm_value"))
+def minilm_value(s: Features, t: Features, batch, ctx: LossContext, p: LayerParams) -> torch.Tensor:
     """MiniLM: KL between value relations softmax(V V^T / sqrt(d_k)), per attention head."""
-    ls, lt = _layers(s, t, student_layer, teacher_layer)
+    ls, lt = _layers(s, t, p)
     return relation_kl(self_relation(s.qkv().heads_of("v", ls)), self_relation(t.qkv().heads_of("v", lt)),
                        s.attention_mask)
 
 
-def _check_v2(student_info, teacher_info, pairs, relation_heads=12, student_layer=None, teacher_layer=None) -> None:
-    _check_layers("minilmv2", student_info, teacher_info, student_layer, teacher_layer)
-    if isinstance(relation_heads, bool) or not isinstance(relation_heads, int) or relation_heads < 1:
-        raise ValueError(f"params.relation_heads={relation_heads!r} must be a positive integer "
-                         "(objective.params.relation_heads)")
+def _check_v2(student_info, teacher_info, pairs, p: V2Params) -> None:
+    _check_layers(student_info, teacher_info, p)
+    relation_heads = p.relation_heads
     bad = [f"{who} {info['hidden']}" for who, info in (("student", student_info), ("teacher", teacher_info))
            if info["hidden"] % relation_heads]
     if bad:
@@ -93,34 +101,27 @@ def _check_v2(student_info, teacher_info, pairs, relation_heads=12, student_laye
             f"{student_info['hidden']} and {teacher_info['hidden']}")
 
 
-def minilmv2_relation(s: Features, t: Features, relation: str, relation_heads: int, student_layer: int | None,
-                      teacher_layer: int | None) -> torch.Tensor:
+def minilmv2_relation(s: Features, t: Features, relation: str, p: V2Params) -> torch.Tensor:
     """MiniLMv2: KL between Q-Q, K-K or V-V self-relations over ``relation_heads`` relation heads."""
-    ls, lt = _layers(s, t, student_layer, teacher_layer)
+    ls, lt = _layers(s, t, p)
     which = RELATIONS[relation]
-    return relation_kl(self_relation(s.qkv().heads_of(which, ls, relation_heads)),
-                       self_relation(t.qkv().heads_of(which, lt, relation_heads)), s.attention_mask)
+    return relation_kl(self_relation(s.qkv().heads_of(which, ls, p.relation_heads)),
+                       self_relation(t.qkv().heads_of(which, lt, p.relation_heads)), s.attention_mask)
 
 
-@reads_layer_map()
-@register_loss("minilmv2_qq", needs={"qkv"}, check=_check_v2)
-def minilmv2_qq(s: Features, t: Features, batch, ctx: LossContext, relation_heads: int = 12,
-                student_layer: int | None = None, teacher_layer: int | None = None) -> torch.Tensor:
+@register_loss("minilmv2_qq", params=V2Params, needs={"qkv"}, map_kinds=(), check=_check_v2)
+def minilmv2_qq(s: Features, t: Features, batch, ctx: LossContext, p: V2Params) -> torch.Tensor:
     """MiniLMv2 query-query relation KL over relation heads."""
-    return minilmv2_relation(s, t, "query", relation_heads, student_layer, teacher_layer)
+    return minilmv2_relation(s, t, "query", p)
 
 
-@reads_layer_map()
-@register_loss("minilmv2_kk", needs={"qkv"}, check=_check_v2)
-def minilmv2_kk(s: Features, t: Features, batch, ctx: LossContext, relation_heads: int = 12,
-                student_layer: int | None = None, teacher_layer: int | None = None) -> torch.Tensor:
+@register_loss("minilmv2_kk", params=V2Params, needs={"qkv"}, map_kinds=(), check=_check_v2)
+def minilmv2_kk(s: Features, t: Features, batch, ctx: LossContext, p: V2Params) -> torch.Tensor:
     """MiniLMv2 key-key relation KL over relation heads."""
-    return minilmv2_relation(s, t, "key", relation_heads, student_layer, teacher_layer)
+    return minilmv2_relation(s, t, "key", p)
 
 
-@reads_layer_map()
-@register_loss("minilmv2_vv", needs={"qkv"}, check=_check_v2)
-def minilmv2_vv(s: Features, t: Features, batch, ctx: LossContext, relation_heads: int = 12,
-                student_layer: int | None = None, teacher_layer: int | None = None) -> torch.Tensor:
+@register_loss("minilmv2_vv", params=V2Params, needs={"qkv"}, map_kinds=(), check=_check_v2)
+def minilmv2_vv(s: Features, t: Features, batch, ctx: LossContext, p: V2Params) -> torch.Tensor:
     """MiniLMv2 value-value relation KL over relation heads."""
-    return minilmv2_relation(s, t, "value", relation_heads, student_layer, teacher_layer)
+    return minilmv2_relation(s, t, "value", p)

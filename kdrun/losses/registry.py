@@ -1,21 +1,43 @@
-"""Registry of loss terms by the name objective YAMLs use.
+"""Loss terms declare themselves; objectives find them by the name their YAML uses.
 
-A loss term is a pure function ``fn(student: Features, teacher: Features | None, batch, ctx,
-**params) -> scalar tensor``. The decorator records what it needs from each model so the trainer
-computes nothing more; ``module_factory`` (optional) builds the term's learnable parameters
-(projections, layer weights), which the objective owns and the optimizer trains.
+A loss term is a pure function ``fn(student: Features, teacher: Features | None, batch, ctx, p)
+-> scalar tensor`` where ``p`` is an instance of the term's parameter dataclass (a subclass of
+:class:`Params`). One ``@register_loss`` declaration says everything the rest of kdrun reads:
+
+- ``params``: the dataclass — the single source of the term's parameters, their types, defaults
+  and allowed values, validated when an objective is planned (before any data or model loads);
+- ``needs`` / ``teacher_needs``: the features record entries it reads (nothing more is computed);
+- ``map_kinds``: the layer-map kinds it handles (kdrun.mapping; one-to-one pairs by default for
+  terms that read layers, none for prediction-layer terms);
+- ``module`` (+ ``share``): the trainable module it owns (projections, layer weights), built once
+  the model sizes are known; terms of a stage with the same ``share`` key use one module;
+- ``check``: checks against the models' sizes (widths, head counts, depths).
+
+Terms are found without editing kdrun: modules listed under the entry-point group
+``kdrun.losses`` of any installed package (kdrun's own terms come this way, see pyproject.toml),
+and modules named in an objective's ``imports`` key are imported before its terms are looked up.
 """
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass, field
-from typing import Any, Callable
+import importlib
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Union
 
 import torch
 from torch import nn
 
 from kdrun.features import KNOWN_NEEDS
+
+ENTRY_POINT_GROUP = "kdrun.losses"
+# Needs that mean a term compares layer representations, so the mapping concerns it.
+LAYER_NEEDS = frozenset({"hidden_states", "attentions", "qkv", "attention_scores"})
+
+
+class ParamError(ValueError):
+    """A loss-term parameter with a wrong type or value; the message names it and what is allowed."""
 
 
 @dataclass
@@ -25,7 +47,7 @@ class LossContext:
     num_labels: int
     # (student layer, teacher layer) pairs of the mapping group; hidden-state indices (0 = embeddings).
     layer_pairs: list[tuple[int, int]] = field(default_factory=list)
-    # The term's own learnable module (from module_factory), if any.
+    # The term's own learnable module (from its ``module`` declaration), if any.
     module: nn.Module | None = None
     step: int = 0
     # The built mapping (kdrun.mapping.LayerMap) for terms that combine teacher layers; layer_pairs
@@ -37,18 +59,156 @@ class LossContext:
         return self.num_labels == 1
 
 
+# ------------------------------------------------------------------------------------ parameters
+
+def param(default: Any = MISSING, *, choices: Iterable[Any] | None = None,
+          check: Callable[[Any], str | None] | None = None, key: str | None = None) -> Any:
+    """A field of a :class:`Params` dataclass.
+
+    ``choices``: the allowed values; ``check(value)`` returns what is wrong (or None); ``key``: the
+    shipped objectives' ``objective.params`` key that sets it, when it differs from the field's
+    name (named in error messages).
+    """
+    meta = {"choices": tuple(choices) if choices is not None else None, "check": check, "key": key}
+    return field(default=default, metadata=meta)
+
+
+def positive(value: Any) -> str | None:
+    return None if value is None or value > 0 else "must be > 0"
+
+
+def positive_int(value: Any) -> str | None:
+    return None if value is None or value >= 1 else "must be a positive integer"
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    return True
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+@dataclass(frozen=True)
+class Params:
+    """Base of every loss term's parameter dataclass (frozen; subclasses add fields with
+    :func:`param`). Construction validates types and values; ``validate`` adds checks across fields.
+    ``objective`` names the shipped objective whose ``objective.params`` keys set the fields (for
+    messages), when there is one."""
+
+    objective: ClassVar[str | None] = None
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            tp = hints.get(f.name, Any)
+            if not _type_ok(value, tp):
+                self.fail(f.name, f"must be {_type_name(tp)}")
+            if tp is float and isinstance(value, int):
+                object.__setattr__(self, f.name, float(value))
+            choices, check = f.metadata.get("choices"), f.metadata.get("check")
+            if choices is not None and value not in choices:
+                self.fail(f.name, f"must be one of {', '.join(map(str, choices))}")
+            problem = check(value) if check is not None else None
+            if problem:
+                self.fail(f.name, problem)
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks that involve several fields (raise with :meth:`fail`)."""
+
+    def fail(self, name: str, what: str) -> typing.NoReturn:
+        meta = {f.name: f.metadata for f in fields(self)}.get(name, {})
+        hint = ""
+        if self.objective:
+            hint = f" (with objective={self.objective}, set objective.params.{meta.get('key') or name})"
+        raise ParamError(f"params.{name}={getattr(self, name, None)!r} {what}{hint}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class NoParams(Params):
+    """A term without parameters."""
+
+
+# ----------------------------------------------------------------------------------- declarations
+
 @dataclass(frozen=True)
 class LossSpec:
+    """A registered loss term: its function and everything it declares (see the module doc)."""
+
     name: str
-    fn: Callable[..., torch.Tensor]
+    impl: Callable[..., torch.Tensor]
+    params: type[Params]
     needs: frozenset[str]
     teacher_needs: frozenset[str]
     uses_teacher: bool
     uses_labels: bool
-    module_factory: Callable[..., nn.Module | None] | None
-    check: Callable[..., None] | None
-    param_names: frozenset[str]
+    map_kinds: frozenset[str]
+    module: Callable[..., nn.Module | None] | None
+    share: Callable[[Params], str | None] | None
+    model_check: Callable[..., None] | None
     doc: str
+
+    @property
+    def param_names(self) -> frozenset[str]:
+        return frozenset(f.name for f in fields(self.params))
+
+    def make_params(self, values: Mapping[str, Any] | None = None, where: str = "params") -> Params:
+        """The term's typed parameters from a YAML mapping; errors name ``where`` and the key."""
+        values = dict(values or {})
+        unknown = set(values) - self.param_names
+        if unknown:
+            raise KeyError(f"{where}: loss term '{self.name}' has no parameter(s) {sorted(unknown)}; "
+                           f"it accepts {sorted(self.param_names) or 'none'}")
+        missing = [f.name for f in fields(self.params)
+                   if f.default is MISSING and f.default_factory is MISSING and f.name not in values]
+        if missing:
+            raise KeyError(f"{where}: loss term '{self.name}' needs parameter(s) {missing}")
+        try:
+            return self.params(**values)
+        except ParamError as e:
+            raise ParamError(f"{where}: {self.name}: {e}") from None
+
+    def fn(self, student, teacher, batch, ctx: LossContext, **params) -> torch.Tensor:
+        """Call the term with keyword parameters (tests, notebooks); objectives pass typed params."""
+        return self.impl(student, teacher, batch, ctx, self.make_params(params))
+
+    def check(self, student_info: dict, teacher_info: dict | None, pairs: Any, **params) -> None:
+        """Validate keyword parameters and, when declared, the models' sizes (raises ValueError)."""
+        self.check_models(student_info, teacher_info, pairs, self.make_params(params))
+
+    def check_models(self, student_info: dict, teacher_info: dict | None, pairs: Any, p: Params) -> None:
+        if self.model_check is not None:
+            self.model_check(student_info, teacher_info, pairs, p)
+
+    def build_module(self, student_info: dict, teacher_info: dict | None, pairs: Any,
+                     p: Params | None = None, **params) -> nn.Module | None:
+        """The term's own trainable module for these model sizes (None when it has none)."""
+        if self.module is None:
+            return None
+        return self.module(student_info, teacher_info, pairs, p if p is not None else self.make_params(params))
+
+    def share_key(self, p: Params) -> str | None:
+        return self.share(p) if self.share is not None else None
 
 
 LOSSES: dict[str, LossSpec] = {}
@@ -57,71 +217,84 @@ LOSSES: dict[str, LossSpec] = {}
 def register_loss(
     name: str,
     *,
-    needs: set[str] | frozenset[str] = frozenset({"logits"}),
-    teacher_needs: set[str] | frozenset[str] | None = None,
+    params: type[Params] = NoParams,
+    needs: Iterable[str] = frozenset({"logits"}),
+    teacher_needs: Iterable[str] | None = None,
     uses_teacher: bool = True,
     uses_labels: bool = False,
-    module_factory: Callable[..., nn.Module | None] | None = None,
+    map_kinds: Iterable[str] | None = None,
+    module: Callable[..., nn.Module | None] | None = None,
+    share: Callable[[Params], str | None] | None = None,
     check: Callable[..., None] | None = None,
 ):
-    """Register a loss term.
+    """Declare a loss term (see the module doc).
 
-    ``check(student_info, teacher_info, layer_pairs, **params)`` (optional) validates the models
-    before training starts (widths, head counts) and raises ValueError with what to change.
-    ``*_info`` are dicts with ``layers``, ``hidden``, ``heads``.
+    ``module(student_info, teacher_info, pairs, p)`` and ``check(student_info, teacher_info, pairs,
+    p)`` receive the models' sizes as dicts with ``layers``, ``hidden``, ``heads``, the term's layer
+    map (kdrun.mapping.MappedPairs) and its typed parameters; ``check`` raises ValueError saying what
+    to change.
     """
     needs = frozenset(needs) | {"logits"}
     t_needs = (frozenset(teacher_needs) | {"logits"}) if teacher_needs is not None else needs
     unknown = (needs | t_needs) - KNOWN_NEEDS
     if unknown:
         raise ValueError(f"loss '{name}': unknown needs {sorted(unknown)}; known: {sorted(KNOWN_NEEDS)}")
+    if not (isinstance(params, type) and issubclass(params, Params)):
+        raise TypeError(f"loss '{name}': params must be a dataclass derived from kdrun.losses.Params")
+    if map_kinds is None:
+        map_kinds = {"pairs"} if (needs | t_needs) & LAYER_NEEDS else ()
 
     def deco(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         if name in LOSSES:
             raise ValueError(f"loss term '{name}' registered twice")
-        sig = inspect.signature(fn)
-        params = frozenset(list(sig.parameters)[4:])
         LOSSES[name] = LossSpec(
-            name=name,
-            fn=fn,
-            needs=needs,
-            teacher_needs=t_needs if uses_teacher else frozenset(),
-            uses_teacher=uses_teacher,
-            uses_labels=uses_labels,
-            module_factory=module_factory,
-            check=check,
-            param_names=params,
-            doc=(inspect.getdoc(fn) or "").split("\n")[0],
+            name=name, impl=fn, params=params, needs=needs, teacher_needs=t_needs if uses_teacher else frozenset(),
+            uses_teacher=uses_teacher, uses_labels=uses_labels, map_kinds=frozenset(map_kinds), module=module,
+            share=share, model_check=check, doc=((fn.__doc__ or "").strip().split("\n") or [""])[0],
         )
         return fn
 
     return deco
 
 
+# -------------------------------------------------------------------------------------- discovery
+
+_discovered = False
+
+
+def discover_losses() -> None:
+    """Import every module registered under the ``kdrun.losses`` entry-point group (once)."""
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            importlib.import_module(ep.value.split(":")[0])
+        except ImportError as e:
+            raise ImportError(f"loss plug-in '{ep.name}' ({ep.value}, entry point group {ENTRY_POINT_GROUP}) "
+                              f"cannot be imported: {e}") from e
+
+
+def import_loss_modules(modules: Iterable[str], where: str = "objective.imports") -> None:
+    """Import the modules an objective lists (their ``@register_loss`` declarations run)."""
+    for i, module in enumerate(modules):
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(f"{where}[{i}]: cannot import '{module}' ({e}); install the package that "
+                             "provides it or put its directory on PYTHONPATH") from None
+
+
 def get_loss(name: str, where: str = "loss") -> LossSpec:
-    _import_builtin_losses()
+    discover_losses()
     if name not in LOSSES:
         raise KeyError(f"{where}: unknown loss term '{name}'. Valid loss terms: {', '.join(sorted(LOSSES))}")
     return LOSSES[name]
 
 
-def check_params(spec: LossSpec, params: dict[str, Any], where: str) -> None:
-    unknown = set(params) - spec.param_names
-    if unknown:
-        raise KeyError(
-            f"{where}: loss term '{spec.name}' has no parameter(s) {sorted(unknown)}; "
-            f"it accepts {sorted(spec.param_names) or 'none'}"
-        )
-    sig = inspect.signature(spec.fn)
-    missing = [
-        p.name
-        for i, p in enumerate(sig.parameters.values())
-        if i >= 4 and p.default is inspect.Parameter.empty and p.name not in params
-    ]
-    if missing:
-        raise KeyError(f"{where}: loss term '{spec.name}' needs parameter(s) {missing}")
-
-
-def _import_builtin_losses() -> None:
-    # Importing the modules runs their @register_loss decorators.
-    from kdrun.losses import ckd, hidden, layerwise, mgskd, minilm, prediction, tinybert  # noqa: F401
+def check_params(spec: LossSpec, params: Mapping[str, Any], where: str) -> Params:
+    """The term's typed parameters (see :meth:`LossSpec.make_params`)."""
+    return spec.make_params(params, where)

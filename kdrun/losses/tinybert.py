@@ -27,41 +27,54 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from kdrun.features import Features, fp32
 from kdrun.losses.hidden import masked_mean
 from kdrun.losses.layerwise import (
+    LAYER_MAP_KINDS,
     ONE_TO_ONE,
-    PER_SAMPLE,
+    PROJECTIONS,
     WEIGHTED,
+    ProjectionParams,
     attention_kl,
     check_projection,
     layer_map_of,
     mapped,
     masked_log_softmax,
     projection_check,
-    projection_factory,
-    reads_layer_map,
+    projection_module,
 )
-from kdrun.losses.registry import LossContext, register_loss
+from kdrun.losses.registry import LossContext, Params, param, register_loss
 
 ATTENTION_LOSSES = ("mse", "kl")
 PADDING = ("exclude", "tinybert")
-SHARE_KEY = "tinybert_projection"
 
 
-# Both terms build the same module for every student hidden state (embeddings included); the
-# objective keeps one per stage (share_key), as the official single W.
-_projection_module = projection_factory(embeddings=True, default="shared", share_key=SHARE_KEY)
+@dataclass(frozen=True)
+class TinyProjection(ProjectionParams):
+    """TinyBERT's projection defaults to one shared W (its official code)."""
+
+    objective = "tinybert"
+    projection: str = param("shared", choices=PROJECTIONS)
 
 
-def _check_embedding(student_info, teacher_info, pairs, projection="shared") -> None:
-    check_projection("tinybert_embedding", projection, student_info, teacher_info)
+def _share_projection(p: TinyProjection) -> str:
+    # Both terms build the same module for every student hidden state (embeddings included); the
+    # objective keeps one per stage, as the official single W.
+    return f"tinybert_projection_{p.projection}"
 
 
-@reads_layer_map()
-@register_loss("tinybert_embedding", needs={"hidden_states"}, check=_check_embedding,
-               module_factory=_projection_module)
-def tinybert_embedding(s: Features, t: Features, batch, ctx: LossContext, projection: str = "shared") -> torch.Tensor:
+_projection = projection_module(embeddings=True)
+
+
+def _check_embedding(student_info, teacher_info, pairs, p: TinyProjection) -> None:
+    check_projection("tinybert_embedding", p.projection, student_info, teacher_info)
+
+
+@register_loss("tinybert_embedding", params=TinyProjection, needs={"hidden_states"}, map_kinds=(),
+               check=_check_embedding, module=_projection, share=_share_projection)
+def tinybert_embedding(s: Features, t: Features, batch, ctx: LossContext, p: TinyProjection) -> torch.Tensor:
     """TinyBERT embedding loss: MSE(E_s W, E_t) over real tokens."""
     es = fp32(s.require("hidden_states")[0])
     if ctx.module is not None:
@@ -69,12 +82,9 @@ def tinybert_embedding(s: Features, t: Features, batch, ctx: LossContext, projec
     return masked_mean((es - fp32(t.require("hidden_states")[0])) ** 2, s.attention_mask)
 
 
-_check_hidden = projection_check("tinybert_hidden", default="shared")
-
-
-@reads_layer_map(ONE_TO_ONE, WEIGHTED, PER_SAMPLE)
-@register_loss("tinybert_hidden", needs={"hidden_states"}, check=_check_hidden, module_factory=_projection_module)
-def tinybert_hidden(s: Features, t: Features, batch, ctx: LossContext, projection: str = "shared") -> torch.Tensor:
+@register_loss("tinybert_hidden", params=TinyProjection, needs={"hidden_states"}, map_kinds=LAYER_MAP_KINDS,
+               check=projection_check("tinybert_hidden"), module=_projection, share=_share_projection)
+def tinybert_hidden(s: Features, t: Features, batch, ctx: LossContext, p: TinyProjection) -> torch.Tensor:
     """TinyBERT hidden loss: Σ_j MSE(H_s^j W, mapped teacher hidden states) over real tokens."""
     total = s.logits.new_zeros((), dtype=torch.float32)
     for _, xs, tgt in mapped(s, t, ctx, lambda h: h, ctx.module, embeddings=False):
@@ -82,13 +92,14 @@ def tinybert_hidden(s: Features, t: Features, batch, ctx: LossContext, projectio
     return total
 
 
-def _check_attention(student_info, teacher_info, pairs, loss="mse", padding="exclude") -> None:
-    if loss not in ATTENTION_LOSSES:
-        raise ValueError(f"params.loss='{loss}' must be one of {', '.join(ATTENTION_LOSSES)} "
-                         "(objective=tinybert: objective.params.attention_loss)")
-    if padding not in PADDING:
-        raise ValueError(f"params.padding='{padding}' must be one of {', '.join(PADDING)} "
-                         "(objective=tinybert: objective.params.attention_padding)")
+@dataclass(frozen=True)
+class AttentionParams(Params):
+    objective = "tinybert"
+    loss: str = param("mse", choices=ATTENTION_LOSSES, key="attention_loss")
+    padding: str = param("exclude", choices=PADDING, key="attention_padding")
+
+
+def _check_attention(student_info, teacher_info, pairs, p: AttentionParams) -> None:
     if student_info["heads"] != teacher_info["heads"]:
         raise ValueError(
             f"tinybert_attention compares attention maps head by head, but the student has "
@@ -106,10 +117,9 @@ def attention_mse(ss: torch.Tensor, st: torch.Tensor, mask: torch.Tensor, paddin
     return ((ss - st) ** 2)[valid].mean()
 
 
-@reads_layer_map(ONE_TO_ONE, WEIGHTED)
-@register_loss("tinybert_attention", needs={"attention_scores"}, check=_check_attention)
-def tinybert_attention(s: Features, t: Features, batch, ctx: LossContext, loss: str = "mse",
-                       padding: str = "exclude") -> torch.Tensor:
+@register_loss("tinybert_attention", params=AttentionParams, needs={"attention_scores"},
+               map_kinds={ONE_TO_ONE, WEIGHTED}, check=_check_attention)
+def tinybert_attention(s: Features, t: Features, batch, ctx: LossContext, p: AttentionParams) -> torch.Tensor:
     """TinyBERT attention loss per head: MSE of pre-softmax scores, or KL of distributions (seed 004)."""
     lmap = layer_map_of(ctx)
     weights = lmap.row_weights(ctx.step)
@@ -119,9 +129,9 @@ def tinybert_attention(s: Features, t: Features, batch, ctx: LossContext, loss: 
         if row.student == 0:
             continue
         scores_s = s.attention_scores(row.student)
-        if loss == "mse":
+        if p.loss == "mse":
             target = lmap.target(i, t.attention_scores, step=ctx.step, weights=weights)
-            total = total + attention_mse(scores_s, target, mask, padding)
+            total = total + attention_mse(scores_s, target, mask, p.padding)
         else:
             target = lmap.target(i, lambda layer: masked_log_softmax(t.attention_scores(layer), mask).exp(),
                                  step=ctx.step, weights=weights)  # a mixture of distributions
