@@ -31,9 +31,9 @@ Kernels, masking and matching-loss conventions: :mod:`kdrun.losses.relations`.
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass
+
+import torch
 
 from kdrun.features import Features
 from kdrun.losses.registry import LossContext, Params, param, positive, register_loss

@@ -25,7 +25,6 @@ chosen on the command line (``mapping=mean``) replaces it, ``mapping: null`` def
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Any, Callable, Iterator
 
 import torch

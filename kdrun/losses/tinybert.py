@@ -25,9 +25,9 @@ Objective (conf/objective/tinybert.yaml): stage 1 = embedding + 2a·hidden + 2(1
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass
+
+import torch
 
 from kdrun.features import Features, fp32
 from kdrun.losses.hidden import masked_mean
