@@ -57,7 +57,8 @@ def test_every_builtin_term_declares_typed_params() -> None:
 
 
 @pytest.mark.parametrize("name,params,match", [
-    ("ckd_wr_pair", {"loss": "kld"}, r"params.loss='kld' must be one of mse, l1, huber, kl .*objective.params.pair_loss"),
+    ("ckd_wr_pair", {"loss": "kld"},
+     r"params.loss='kld' must be one of mse, l1, huber, kl .*objective.params.pair_loss"),
     ("ckd_wr_angle", {"window": True}, r"params.window=True must be int or null"),
     ("logit_kd", {"temperature": "hot"}, r"params.temperature='hot' must be float"),
     ("logit_kd", {"temperature": 0}, r"params.temperature=0.* must be > 0"),
