@@ -1,5 +1,5 @@
 """The kdrun command as a user runs it: multirun with a shared teacher, the real-model quickstart,
-and the real GLUE files when ../shared is present."""
+and real GLUE files when a copy is at ../shared/data/glue (skipped otherwise)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``kdrun-augment``: build (or find in the cache) a task's augmented training set and show some of it.
 
-    kdrun-augment task=sst2 task.data_dir=../shared/data/glue/SST-2 augmentation.n=4 [--show 3]
+    kdrun-augment task=sst2 task.data_dir=<GLUE dir>/SST-2 augmentation.n=4 [--show 3]
 
 Takes the same Hydra overrides as ``kdrun`` (``augmentation=tinybert`` is implied when no
 augmentation is chosen), loads the task's train split as a run would (same ``task.max_train_samples``

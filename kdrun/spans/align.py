@@ -1,4 +1,4 @@
-"""Spans of an example in token indices: multi-piece words and chunker phrases (MGSKD, seed 002).
+"""Spans of an example in token indices: multi-piece words and chunker phrases (MGSKD, Liu et al. 2022).
 
 For each text segment (pair tasks: each side on its own):
 
