@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from kdrun.errors import ConfigError
 from kdrun.features import Features
 from kdrun.losses import LossContext, LossSpec, check_params, get_loss
 from kdrun.mapping import MAPPINGS, STRATEGY_PARAMS, LayerMap, MappedPairs, MappingSpec, pairs_map
@@ -156,13 +157,13 @@ class Objective(nn.Module):
             for term in plan.terms:
                 key = self._module_key(plan, term)
                 if term.spec.uses_teacher and teacher_info is None:
-                    raise ValueError(f"{term.where}: loss '{term.spec.name}' needs a teacher")
+                    raise ConfigError(f"{term.where}: loss '{term.spec.name}' needs a teacher")
                 pairs = self._map_for(plan, term, key) if teacher_info is not None else MappedPairs([])
                 if term.spec.check is not None:
                     try:
                         term.spec.check(student_info, teacher_info, pairs, **term.params)
                     except ValueError as e:
-                        raise ValueError(f"{term.where} ({term.spec.name}): {e}") from None
+                        raise ConfigError(f"{term.where} ({term.spec.name}): {e}") from None
                 if term.spec.module_factory is not None:
                     module = term.spec.module_factory(student_info, teacher_info, pairs, **term.params)
                     share = getattr(module, "share_key", None)
@@ -192,12 +193,12 @@ class Objective(nn.Module):
                     lmap = spec.build(s_info["layers"], t_info["layers"], exclude_last=exclude_last,
                                       stage_lr=stage_lr, name=map_key)
                 except ValueError as e:
-                    raise ValueError(f"{term.where} ({term.spec.name}): {e}") from None
+                    raise ConfigError(f"{term.where} ({term.spec.name}): {e}") from None
             self.maps[map_key] = lmap
         lmap = self.maps[map_key]
         if lmap.kind not in kinds:
             ok = [n for n, k in MAPPINGS.items() if k in kinds]
-            raise ValueError(
+            raise ConfigError(
                 f"{term.where} ({term.spec.name}): mapping={lmap.strategy} "
                 f"{'combines teacher layers' if lmap.kind != 'pairs' else 'gives one-to-one pairs'}, which "
                 f"'{term.spec.name}' does not support; choose mapping= one of {', '.join(ok)}")

@@ -23,6 +23,7 @@ import datasets
 import numpy as np
 
 from kdrun.data.toy import make_toy_splits
+from kdrun.errors import UserError
 
 __all__ = [
     "DataError",
@@ -38,7 +39,7 @@ _GLUE_HINT = (
 )
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A task's data could not be found or parsed; the message says where and what to do."""
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "GLUE_METRIC_PATH",
     "REGRESSION_METRICS",
     "VALID_METRICS",
+    "check_metric_names",
     "combined_score",
     "compute_task_metrics",
     "load_glue_metric",
@@ -153,7 +154,8 @@ def _prepare_references(references: Any, regression: bool) -> np.ndarray:
     return array.astype(np.float64) if regression else _class_ids(array, "references")
 
 
-def _check_names(metric_names: Sequence[str], regression: bool) -> list[str]:
+def check_metric_names(metric_names: Sequence[str], regression: bool) -> list[str]:
+    """The requested names without duplicates; ValueError naming the valid ones for the task kind."""
     if isinstance(metric_names, str):
         metric_names = [metric_names]
     names = list(metric_names)
@@ -181,7 +183,7 @@ def compute_task_metrics(
     in the requested order; raises ``ValueError`` for unknown names, names of the other task kind,
     shape problems, length mismatches or empty inputs.
     """
-    names = _check_names(metric_names, regression)
+    names = check_metric_names(metric_names, regression)
     preds = _prepare_predictions(predictions, regression)
     refs = _prepare_references(references, regression)
     if preds.shape[0] != refs.shape[0]:
