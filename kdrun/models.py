@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import torch
 from torch import nn
 
 from kdrun.errors import ConfigError, UserError
@@ -211,10 +210,6 @@ def set_attn_implementation(model: nn.Module, need_attentions: bool) -> None:
         model.config._attn_implementation = impl
 
 
-def num_layers(model: nn.Module) -> int:
-    return int(model.config.num_hidden_layers)
-
-
 def describe(model: nn.Module) -> dict[str, Any]:
     c = model.config
     return {
@@ -234,7 +229,3 @@ def tokenizer_fingerprint(tok) -> str:
         h.update(f"{idx}\t{word}\n".encode())
     h.update(str(getattr(tok, "do_lower_case", "")).encode())
     return h.hexdigest()[:16]
-
-
-def trainable_parameters(model: nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]

@@ -7,13 +7,12 @@ regular ``evaluate.Metric``, so it can also be loaded directly::
 
 Its two configurations fix the input features: ``"classification"`` (int64 class ids; the default)
 and ``"regression"`` (float32 scores). ``evaluate`` is imported lazily (it pulls in transformers and
-takes seconds), so importing this package for ``VALID_METRICS`` or ``combined_score`` is cheap.
+takes seconds), so importing this package for ``VALID_METRICS`` or ``check_metric_names`` is cheap.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
 import sys
 import threading
 import warnings
@@ -32,7 +31,6 @@ __all__ = [
     "REGRESSION_METRICS",
     "VALID_METRICS",
     "check_metric_names",
-    "combined_score",
     "compute_task_metrics",
     "load_glue_metric",
 ]
@@ -194,14 +192,3 @@ def compute_task_metrics(
         preds, refs = preds.astype(np.float32), refs.astype(np.float32)
     result = load_glue_metric(regression).compute(predictions=preds, references=refs, metrics=names)
     return {name: float(result[name]) for name in names}
-
-
-def combined_score(metrics: dict[str, float]) -> float:
-    """Mean of the metric values (GLUE's per-task score, e.g. (F1 + accuracy) / 2 for MRPC).
-
-    ``nan`` if ``metrics`` is empty or any value is ``nan``.
-    """
-    values = [float(value) for value in metrics.values()]
-    if not values:
-        return float("nan")
-    return math.fsum(values) / len(values)
