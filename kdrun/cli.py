@@ -16,23 +16,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kdrun.config import register_configs
+from kdrun.errors import UserError
 
 register_configs()
-
-# Errors a user can fix from the message alone: printed without a traceback.
-_USER_ERRORS: tuple[type[BaseException], ...] = ()
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    global _USER_ERRORS
-    if not _USER_ERRORS:
-        from kdrun.data.sources import DataError
-        from kdrun.models import ModelUnavailableError
-        from kdrun.run import ConfigError
-        from kdrun.trainer import TrainingDiverged
-
-        _USER_ERRORS = (ConfigError, DataError, ModelUnavailableError, TrainingDiverged, KeyError, ValueError)
-    return _USER_ERRORS
 
 
 @hydra.main(version_base="1.3", config_path="pkg://kdrun.conf", config_name="config")
@@ -48,8 +34,8 @@ def _main(cfg: DictConfig) -> float | None:
     _setup_submitit_distributed()
     try:
         summary = run(cfg, run_dir)
-    except _user_errors() as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    except UserError as e:  # fixable from the message alone; anything else is a bug and keeps its traceback
+        msg = str(e)
         print(f"kdrun: error: {msg}", file=sys.stderr)
         if multirun:
             _record_failure(run_dir, e, msg)

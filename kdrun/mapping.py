@@ -9,12 +9,12 @@ strategy       teacher representation of student layer j
 =============  ===============================================================================
 ``uniform``    CKD's gcd alignment (one teacher layer; some student layers may stay unmatched)
 ``skip``       teacher layer floor(j * Lt / Ls): PKD-skip / TinyBERT's "k-th layer"
-``first``      the first layer of j's bucket (seed 003's PKD: 1, 5, 9 for 12 → 4, last unmatched)
-``last``       the last layer of j's bucket (seed 004's uniform map: 3, 6, 9, 12 for 12 → 4)
-``random``     one layer of j's bucket drawn uniformly, redrawn every optimizer step (seed 004)
-``mean``       the average of j's bucket (seed 004)
-``learnable``  softmax(θ_j) over j's bucket, θ trained with its own lr (seed 004)
-``attention``  ALP-KD: per example, softmax_k(h_s^j · h_t^k) over j's bucket (seed 003)
+``first``      the first layer of j's bucket (Passban et al.'s PKD: 1, 5, 9 for 12 → 4, last unmatched)
+``last``       the last layer of j's bucket (Jassani et al.'s uniform map: 3, 6, 9, 12 for 12 → 4)
+``random``     one layer of j's bucket drawn uniformly, redrawn every optimizer step (Jassani et al.)
+``mean``       the average of j's bucket (Jassani et al.)
+``learnable``  softmax(θ_j) over j's bucket, θ trained with its own lr (Jassani et al.)
+``attention``  ALP-KD: per example, softmax_k(h_s^j · h_t^k) over j's bucket (Passban et al. 2021)
 ``concat``     the concatenation of j's bucket (combinatorial KD; the loss term projects it)
 =============  ===============================================================================
 

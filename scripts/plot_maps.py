@@ -1,10 +1,10 @@
 """Draw a run's layer-map weights to PNG.
 
-1. Learnable-map weights over training steps (seed 004, Fig. 3): one panel per student layer j, one
+1. Learnable-map weights over training steps (Jassani, Dankar & Kumar, Fig. 3): one panel per student layer j, one
    line per teacher layer k of its bucket, v_j[k] = softmax(θ_j)[k] as logged in metrics.jsonl
    (``objective/<map>/s<j>/t<k>``). ALP-KD runs log the batch-mean attention weights the same way,
    so they are drawn too.
-2. ALP-KD attention weights per example (seed 003, Fig. 3), for runs whose map is ``attention``:
+2. ALP-KD attention weights per example (Passban et al. 2021, Fig. 3), for runs whose map is ``attention``:
    the saved student and the run's teacher are run on ``--examples`` randomly chosen dev examples
    and α_jk = softmax_k(h_s^j · h_t^k) of each matched student layer is drawn as an examples ×
    teacher-layers heat map.

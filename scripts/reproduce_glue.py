@@ -1,6 +1,6 @@
 """The miniature GLUE reproduction, one command: grid on dev, then seeds, then the table.
 
-    python scripts/reproduce_glue.py --glue ../shared/data/glue --out outputs/mini_glue
+    python scripts/reproduce_glue.py --glue <GLUE dir> --out outputs/mini_glue
 
 For every task (CoLA, SST-2, MRPC, STS-B) and objective (finetune, logit, pkd, tinybert, minilm,
 ckd, mgskd, alp) on ``experiment=mini_glue`` (minilm_l6 teacher fine-tuned once per task and
@@ -39,7 +39,7 @@ OBJECTIVES = ["finetune", "logit", "pkd", "tinybert", "minilm", "ckd", "mgskd", 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--glue", default="../shared/data/glue", help="GLUE root with CoLA/, SST-2/, MRPC/, STS-B/")
+    p.add_argument("--glue", required=True, help="GLUE root with CoLA/, SST-2/, MRPC/, STS-B/")
     p.add_argument("--conll", default=None, help="CoNLL-2000 directory for mgskd's chunker (default: beside --glue)")
     p.add_argument("--out", default="outputs/mini_glue")
     p.add_argument("--tasks", default=",".join(GLUE_DIRS))

@@ -29,6 +29,19 @@ TINY = [
 TOY = ["task=toy", "task.toy.num_train=160", "task.toy.num_validation=64"]
 
 
+def assert_kept_best(res: dict, metric: str = "accuracy", n: int | None = None, split: str = "validation") -> None:
+    """The student's reported dev metric is the best evaluation of the last stage in the run's own history
+    (best-checkpoint selection kept that student), and with ``n`` dev examples an accuracy counts them."""
+    last = res["stages"][-1]["stage"]
+    best = max(e["metrics"][split][metric] for e in res["evals"] if e["stage"] == last)
+    value = res["student"]["metrics"][split][metric]
+    assert value == pytest.approx(best), (value, res["evals"])
+    if res["student"]["selected"]["metric"] == metric:
+        assert res["student"]["selected"]["value"] == pytest.approx(best)
+    if n is not None:
+        assert value * n == pytest.approx(round(value * n)), f"{metric}={value} is no count out of {n}"
+
+
 def load_script(name: str) -> ModuleType:
     """Import ``scripts/<name>.py`` (the scripts directory is no package) to test its functions."""
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")

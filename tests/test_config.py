@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import REPO, compose
+from kdrun.losses import LOSSES, get_loss
+from tests.conftest import REPO, TINY, TOY, compose
 
 CONF = REPO / "conf"
 GROUPS = ["task", "teacher", "student", "objective", "mapping", "augmentation", "logger", "sweep",
@@ -106,3 +107,39 @@ def test_hub_only_model_offline_fails_fast(tmp_path: Path) -> None:
     assert r.returncode == 2, r.stderr
     assert "bert-base-uncased" in r.stderr and "teacher=minilm_l6" in r.stderr
     assert elapsed < 30  # process start-up included; the hub is never contacted
+
+
+# Runs kdrun with run.data_fingerprint (called once the data are loaded) replaced by a bug.
+_BROKEN_RUN = """
+import sys
+import kdrun.run
+
+def data_fingerprint(dsd):
+    raise {exc}("an internal bug")
+
+kdrun.run.data_fingerprint = data_fingerprint
+from kdrun.cli import main
+
+sys.argv = ["kdrun", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("exc", ["ZeroDivisionError", "ValueError"])
+def test_internal_error_keeps_its_traceback(tmp_path: Path, exc: str) -> None:
+    # A ValueError from kdrun's own code is a bug too: only kdrun.errors.UserError is a user's mistake.
+    r = subprocess.run([sys.executable, "-c", _BROKEN_RUN.format(exc=exc), *TINY, *TOY, f"cache_dir={tmp_path}/c",
+                        f"hydra.run.dir={tmp_path}/run"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback (most recent call last)" in r.stderr and f"{exc}: an internal bug" in r.stderr
+    assert "in data_fingerprint" in r.stderr and "kdrun: error:" not in r.stderr
+
+
+def test_config_error_is_one_line(tmp_path: Path) -> None:
+    r = _kdrun(*TINY, *TOY, "objective.stages.0.losses.0.name=nosuch", f"cache_dir={tmp_path}/c",
+               f"hydra.run.dir={tmp_path}/run", timeout=120)
+    assert r.returncode == 2, r.stderr
+    get_loss("ce")  # imports the built-in terms into LOSSES
+    assert r.stderr.strip().splitlines() == [
+        f"kdrun: error: objective.stages[0].losses[0]: unknown loss term 'nosuch'. Valid loss terms: "
+        f"{', '.join(sorted(LOSSES))}"]

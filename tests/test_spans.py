@@ -1,5 +1,6 @@
 """Spans for MGSKD: CoNLL reader, taggers and chunker (tiny corpus written here; the real CoNLL-2000
-when ../shared is present), cache, span alignment to WordPieces, data pipeline, CLI, preflight."""
+when a copy is at ../shared/data/conll2000), cache, span alignment to WordPieces, data pipeline, CLI,
+preflight."""
 
 from __future__ import annotations
 

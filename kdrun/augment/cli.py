@@ -1,6 +1,6 @@
 """``kdrun-augment``: build (or find in the cache) a task's augmented training set and show some of it.
 
-    kdrun-augment task=sst2 task.data_dir=../shared/data/glue/SST-2 augmentation.n=4 [--show 3]
+    kdrun-augment task=sst2 task.data_dir=<GLUE dir>/SST-2 augmentation.n=4 [--show 3]
 
 Takes the same Hydra overrides as ``kdrun`` (``augmentation=tinybert`` is implied when no
 augmentation is chosen), loads the task's train split as a run would (same ``task.max_train_samples``
@@ -93,9 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         _fail(str(e))
 
     from kdrun.augment.build import check_augmentation, get_augmented
-    from kdrun.augment.errors import AugmentationError
-    from kdrun.data.sources import DataError, check_task_data, load_task_data
-    from kdrun.models import ModelUnavailableError
+    from kdrun.data.sources import check_task_data, load_task_data
+    from kdrun.errors import UserError
 
     try:
         check_augmentation(aug)
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[kdrun-augment] {cfg.task.name}: {len(train)} training rows; mlm={aug.mlm}, "
               f"word_vectors={aug.word_vectors}, m={aug.m}, n={n}, p_t={aug.p_t}, seed={aug.seed}")
         ds, info = get_augmented(aug, train, cfg.task.name, cfg.cache_dir, device=cfg.train.device)
-    except (AugmentationError, DataError, ModelUnavailableError) as e:
+    except UserError as e:  # augmentation, data and model errors; others keep their traceback
         _fail(str(e))
 
     if info["cached"]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kdrun.errors import UserError
 
-class AugmentationError(ValueError):
+
+class AugmentationError(UserError, ValueError):
     """An augmentation setting that cannot work; the message names the config key and what to do."""

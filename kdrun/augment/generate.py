@@ -1,4 +1,5 @@
-"""Sampling augmented sentences from per-word candidate lists (seed 000, appendix B, Algorithm 1)."""
+"""Sampling augmented sentences from per-word candidate lists (Algorithm 1 in appendix B of CKD's
+ICLR-submission version, Park et al. 2021)."""
 
 from __future__ import annotations
 

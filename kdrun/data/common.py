@@ -9,13 +9,15 @@ from typing import Any
 import datasets
 import numpy as np
 
+from kdrun.errors import UserError
+
 _GLUE_HINT = (
     "Point task.data_dir at a directory in the classic GLUE download layout (e.g. glue_data/MRPC "
     "holding train.tsv and dev.tsv), or adjust task.tsv.files"
 )
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A task's data could not be found or parsed; the message says where and what to do."""
 
 

@@ -13,6 +13,8 @@ import random
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kdrun.errors import ConfigError
+
 # Word lists written for kdrun; common words from BERT's uncased vocabulary.
 POSITIVE_WORDS: tuple[str, ...] = (
     "good", "great", "excellent", "wonderful", "nice", "happy", "lovely", "perfect", "brilliant",
@@ -116,12 +118,12 @@ def make_toy_splits(
     num_train = int(_cfg(toy_cfg, "num_train", 2000))
     num_validation = int(_cfg(toy_cfg, "num_validation", 500))
     if min_words < 1 or max_words < min_words:
-        raise ValueError(
+        raise ConfigError(
             f"toy task: need 1 <= task.toy.min_words <= task.toy.max_words, got min_words={min_words}, "
             f"max_words={max_words}"
         )
     if num_train < 0 or num_validation < 0:
-        raise ValueError("toy task: task.toy.num_train and task.toy.num_validation must be >= 0")
+        raise ConfigError("toy task: task.toy.num_train and task.toy.num_validation must be >= 0")
     out: dict[str, dict[str, list[Any]]] = {}
     out[train_split] = _stream(f"kdrun-toy:{seed}:train", num_train, min_words, max_words)
     for split in eval_splits:

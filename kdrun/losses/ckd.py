@@ -1,4 +1,4 @@
-"""Contextual knowledge distillation (CKD; REFERENCE.md "CKD", seeds 000 and 001).
+"""Contextual knowledge distillation (CKD; Park, Kim & Yang 2021, EMNLP, and its ICLR-submission version).
 
 Four loss terms, one per switchable piece of the paper's objective, so each is logged on its own
 and each can be turned off from the command line (``conf/objective/ckd.yaml``)::
@@ -126,8 +126,9 @@ def _token_layer_points(hidden: tuple[torch.Tensor, ...], layers: list[int], mas
 def ckd_wr_pair(s: Features, t: Features, batch, ctx: LossContext, p: WRPairParams) -> torch.Tensor:
     """CKD word relation, pair-wise: sum over aligned layers of the mean LD(phi_s(i, j), phi_t(i, j)).
 
-    phi: ``l2`` (distance, seed 000) or ``cosine`` (seed 001); normalize: divide distances by the
-    sentence's mean valid distance; loss: mse | l1 | huber | kl (rows softmaxed over j);
+    phi: ``l2`` (distance, Park et al. 2021, ICLR-submission version) or ``cosine`` (Park et al. 2021,
+    EMNLP); normalize: divide distances by the sentence's mean valid distance; loss: mse | l1 | huber |
+    kl (rows softmaxed over j);
     window δ: only pairs with |i - j| <= δ (null = all). Mean over the batch's valid pairs (i != j,
     no padding) per layer; ``kl``: mean over valid rows.
     """

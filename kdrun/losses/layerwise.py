@@ -1,6 +1,6 @@
 """Layer-matching loss terms over the mapping group, and the pieces TinyBERT and MiniLM share.
 
-Terms (REFERENCE.md "Other baselines"; seeds 003 and 004):
+Terms (as described by Passban et al. 2021 and Jassani, Dankar & Kumar):
 
 - ``pkd_patience`` (PKD): MSE between L2-normalised [CLS] vectors of student layer j and its mapped
   teacher representation; mean over examples, dimensions and layers, as PKD's official code.

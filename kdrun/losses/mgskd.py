@@ -1,4 +1,4 @@
-"""Multi-granularity structural KD (MGSKD; REFERENCE.md "MGSKD", seed 002).
+"""Multi-granularity structural KD (MGSKD; Liu, Tao, Feng & Zhao 2022, ACL).
 
 Three registered terms, one per granularity, so each is weighted (λ_token, λ_span, λ_sample),
 switched off and logged on its own (``train/mgskd_token`` …); each term's module also logs its

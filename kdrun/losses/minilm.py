@@ -1,4 +1,4 @@
-"""MiniLM and MiniLMv2 losses (REFERENCE.md "Other baselines").
+"""MiniLM and MiniLMv2 losses (Wang et al. 2020; Wang et al. 2021).
 
 Both compare one student layer with one teacher layer — by default the last of each (MiniLM's
 choice; MiniLMv2 suggests an upper-middle teacher layer for large teachers: ``teacher_layer``).

@@ -1,4 +1,4 @@
-"""Prediction-layer losses (REFERENCE.md, "Prediction-layer losses")."""
+"""Prediction-layer losses: CE, Hinton et al. 2015's KD, TinyBERT's soft cross-entropy."""
 
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, Union
 import torch
 from torch import nn
 
+from kdrun.errors import UserError
 from kdrun.features import KNOWN_NEEDS
 
 ENTRY_POINT_GROUP = "kdrun.losses"
@@ -36,7 +37,7 @@ ENTRY_POINT_GROUP = "kdrun.losses"
 LAYER_NEEDS = frozenset({"hidden_states", "attentions", "qkv", "attention_scores"})
 
 
-class ParamError(ValueError):
+class ParamError(UserError, ValueError):
     """A loss-term parameter with a wrong type or value; the message names it and what is allowed."""
 
 

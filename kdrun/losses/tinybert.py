@@ -1,11 +1,11 @@
-"""TinyBERT's intermediate-layer losses, with the variants of seed 004 (REFERENCE.md "TinyBERT family").
+"""TinyBERT's intermediate-layer losses, with the variants of Jassani, Dankar & Kumar.
 
 - ``tinybert_embedding``: MSE(E_s W, E_t) over real tokens (W: the projection, see below).
 - ``tinybert_hidden``: Σ over mapped transformer layers of MSE(H_s^j W, target_j) over real tokens;
-  target_j from the mapping (seed 004's uniform/random/mean/learnable maps, or any other kind).
+  target_j from the mapping (Jassani et al.'s uniform/random/mean/learnable maps, or any other kind).
 - ``tinybert_attention``: Σ over mapped layers of the per-head attention loss:
   ``loss=mse`` on pre-softmax scores (TinyBERT) or ``loss=kl``: KL(softmax(A_t) || softmax(A_s)) per
-  head, mean over heads and real query tokens (seed 004). Combining maps (mean, learnable) combine
+  head, mean over heads and real query tokens (Jassani et al.). Combining maps (mean, learnable) combine
   the teacher's scores (mse) or its attention distributions (kl).
 
 Projection (``projection``): ``shared`` — one W for the embeddings and every layer, as TinyBERT's
@@ -120,7 +120,7 @@ def attention_mse(ss: torch.Tensor, st: torch.Tensor, mask: torch.Tensor, paddin
 @register_loss("tinybert_attention", params=AttentionParams, needs={"attention_scores"},
                map_kinds={ONE_TO_ONE, WEIGHTED}, check=_check_attention)
 def tinybert_attention(s: Features, t: Features, batch, ctx: LossContext, p: AttentionParams) -> torch.Tensor:
-    """TinyBERT attention loss per head: MSE of pre-softmax scores, or KL of distributions (seed 004)."""
+    """TinyBERT attention loss per head: MSE of pre-softmax scores, or KL of distributions (Jassani et al.)."""
     lmap = layer_map_of(ctx)
     weights = lmap.row_weights(ctx.step)
     mask = s.attention_mask

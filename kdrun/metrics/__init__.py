@@ -7,13 +7,12 @@ regular ``evaluate.Metric``, so it can also be loaded directly::
 
 Its two configurations fix the input features: ``"classification"`` (int64 class ids; the default)
 and ``"regression"`` (float32 scores). ``evaluate`` is imported lazily (it pulls in transformers and
-takes seconds), so importing this package for ``VALID_METRICS`` or ``combined_score`` is cheap.
+takes seconds), so importing this package for ``VALID_METRICS`` or ``check_metric_names`` is cheap.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
 import sys
 import threading
 import warnings
@@ -31,7 +30,7 @@ __all__ = [
     "GLUE_METRIC_PATH",
     "REGRESSION_METRICS",
     "VALID_METRICS",
-    "combined_score",
+    "check_metric_names",
     "compute_task_metrics",
     "load_glue_metric",
 ]
@@ -153,7 +152,8 @@ def _prepare_references(references: Any, regression: bool) -> np.ndarray:
     return array.astype(np.float64) if regression else _class_ids(array, "references")
 
 
-def _check_names(metric_names: Sequence[str], regression: bool) -> list[str]:
+def check_metric_names(metric_names: Sequence[str], regression: bool) -> list[str]:
+    """The requested names without duplicates; ValueError naming the valid ones for the task kind."""
     if isinstance(metric_names, str):
         metric_names = [metric_names]
     names = list(metric_names)
@@ -181,7 +181,7 @@ def compute_task_metrics(
     in the requested order; raises ``ValueError`` for unknown names, names of the other task kind,
     shape problems, length mismatches or empty inputs.
     """
-    names = _check_names(metric_names, regression)
+    names = check_metric_names(metric_names, regression)
     preds = _prepare_predictions(predictions, regression)
     refs = _prepare_references(references, regression)
     if preds.shape[0] != refs.shape[0]:
@@ -192,14 +192,3 @@ def compute_task_metrics(
         preds, refs = preds.astype(np.float32), refs.astype(np.float32)
     result = load_glue_metric(regression).compute(predictions=preds, references=refs, metrics=names)
     return {name: float(result[name]) for name in names}
-
-
-def combined_score(metrics: dict[str, float]) -> float:
-    """Mean of the metric values (GLUE's per-task score, e.g. (F1 + accuracy) / 2 for MRPC).
-
-    ``nan`` if ``metrics`` is empty or any value is ``nan``.
-    """
-    values = [float(value) for value in metrics.values()]
-    if not values:
-        return float("nan")
-    return math.fsum(values) / len(values)

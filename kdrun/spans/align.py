@@ -1,4 +1,4 @@
-"""Spans of an example in token indices: multi-piece words and chunker phrases (MGSKD, seed 002).
+"""Spans of an example in token indices: multi-piece words and chunker phrases (MGSKD, Liu et al. 2022).
 
 For each text segment (pair tasks: each side on its own):
 
@@ -22,6 +22,7 @@ import bisect
 import re
 from typing import Any, Sequence
 
+from kdrun.errors import ConfigError
 from kdrun.spans.chunker import Chunker
 
 ALIGN_VERSION = "1"
@@ -54,7 +55,7 @@ class SpanExtractor:
 
     def __init__(self, tokenizer: Any, chunker: Chunker, min_word_pieces: int = 2):
         if not getattr(tokenizer, "is_fast", False):
-            raise ValueError("spans need a fast tokenizer (character offsets)")
+            raise ConfigError("spans need a fast tokenizer (character offsets); choose a model that has one")
         if min_word_pieces < 1:
             raise ValueError(f"spans.min_word_pieces={min_word_pieces} must be >= 1 (the paper's setting is 2)")
         self.tokenizer = tokenizer

@@ -1,6 +1,6 @@
 """``kdrun-spans``: evaluate the CoNLL-2000 chunker, or show the spans of a sentence.
 
-    kdrun-spans eval --corpus-dir ../shared/data/conll2000
+    kdrun-spans eval --corpus-dir <CoNLL-2000 dir>
     kdrun-spans show "The quick brown fox jumped over the lazy dog near the riverbank"
     kdrun-spans show "A man is playing a guitar." --pair "Someone plays music." --max-length 12
 

@@ -14,6 +14,8 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from kdrun.errors import UserError
+
 FILES = ("train.txt", "test.txt")
 
 # (word, POS tag, IOB chunk tag)
@@ -21,7 +23,7 @@ Token = tuple[str, str, str]
 Sentence = list[Token]
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError, ValueError):
     """No usable CoNLL-2000 corpus, or a malformed file; the message says where and what to do."""
 
 

@@ -31,6 +31,8 @@ from typing import Sequence
 
 import numpy as np
 
+from kdrun.spans.corpus import CorpusError
+
 START = "<s>"
 KINDS = ("pos", "chunk")
 FORMAT_VERSION = 1
@@ -258,7 +260,7 @@ def train_tagger(kind: str, sentences, settings: dict | None = None) -> tuple[Li
     data = training_instances(kind, sentences)
     labels = sorted({y for _, y in data})
     if len(labels) < 2:
-        raise ValueError(f"{kind} tagger: the training corpus has {len(labels)} distinct label(s) {labels}; "
+        raise CorpusError(f"{kind} tagger: the training corpus has {len(labels)} distinct label(s) {labels}; "
                          "it needs at least 2 (is the corpus too small?)")
     # scikit-learn's linear models take 32-bit sparse indices only; the wrapper's DictVectorizer may
     # hand them 64-bit ones.
