@@ -187,8 +187,8 @@ def get_adaptor(model_or_config: Any, *, needed_for: str | None = None) -> Adapt
     family = family_of(model_or_config)
     if family in ADAPTORS:
         return ADAPTORS[family]
-    what = f"{needed_for} needs layer access, which" if needed_for else "layer access"
-    raise ValueError(f"model family '{family}': {what} kdrun provides for {', '.join(ADAPTORS)} only; "
+    what = f"{needed_for} needs layer access, which kdrun has" if needed_for else "kdrun has layer access"
+    raise ValueError(f"model family '{family}': {what} for {', '.join(ADAPTORS)} only; "
                      "choose a model of one of those families or an objective that reads logits only")
 
 
