@@ -41,7 +41,8 @@ class AttentionInputs:
                  scaling: float, bias: list[torch.Tensor | None] | None = None):
         # bias: per layer, what the family adds to the scaled Q K^T before the softmax (DeBERTa-v2's
         # relative-position terms, (B*h, n, n)), None where nothing is added.
-        self._raw = {"q": q, "k": k, "v": v, "bias": bias or [None] * len(q)}
+        self._raw = {"q": q, "k": k, "v": v}
+        self._bias = bias or [None] * len(q)
         self.heads = heads
         self.scaling = scaling
         self.num_layers = len(q)
@@ -52,12 +53,14 @@ class AttentionInputs:
             raise IndexError(f"attention layer {layer} requested; the model has layers 1..{self.num_layers}")
         return layer - 1
 
-    def projection(self, which: str, layer: int) -> torch.Tensor:
+    def projection(self, which: str, layer: int) -> torch.Tensor | None:
         """(B, n, d) output of layer ``layer``'s ``which`` ∈ {q, k, v} projection (all heads), or its
-        score ``bias``."""
+        score ``bias`` ((B*h, n, n) or None)."""
         key = (which, layer)
         if key not in self._cache:
-            x = self._raw[which][self._layer(layer)]
+            x = (self._bias if which == "bias" else self._raw[which])[self._layer(layer)]
+            if x is None:
+                return None
             self._cache[key] = x.clone() if x.is_inference() else x
         return self._cache[key]
 
@@ -76,8 +79,9 @@ class AttentionInputs:
             q = fp32(self.heads_of("q", layer))
             k = fp32(self.heads_of("k", layer))
             scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
-            if self._raw["bias"][self._layer(layer)] is not None:
-                scores = scores + fp32(self.projection("bias", layer)).view_as(scores)
+            bias = self.projection("bias", layer)
+            if bias is not None:
+                scores = scores + fp32(bias).view_as(scores)
             self._cache[key] = scores
         return self._cache[key]
 

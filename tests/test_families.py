@@ -156,7 +156,8 @@ def test_unknown_families_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="model family 'xlnet': loss 'tinybert_embedding' \\(student hidden_states\\)"):
         check_features(plan_stages(compose(["objective=tinybert"]).objective), other, None)
     check_features(plan_stages(compose(["objective=logit"]).objective), other, other)  # logits only: fine
-    with pytest.raises(ValueError, match="'xlnet': kdrun has layer access for bert, roberta, electra, distilbert, deberta-v2 only"):
+    with pytest.raises(ValueError, match="'xlnet': kdrun has layer access for bert, roberta, electra, distilbert, "
+                                         "deberta-v2 only"):
         get_adaptor(other)
 
 
