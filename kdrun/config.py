@@ -103,7 +103,8 @@ class ModelConfig:
         used when that package is not installed.
       - ``truncated``: the first ``num_layers`` transformer layers (and embeddings) of ``source``
         (``teacher`` = the fine-tuned teacher, or any model reference as above), PKD-style.
-      - ``random``: a freshly initialised BERT with the given sizes (tests, ablations).
+      - ``random``: a freshly initialised model of ``family`` (bert, roberta, distilbert, electra,
+        deberta-v2; kdrun/adaptors.py) with the given sizes (tests, ablations).
     """
 
     kind: str = "pretrained"
@@ -116,6 +117,8 @@ class ModelConfig:
     num_hidden_layers: int = 2
     num_attention_heads: int = 2
     intermediate_size: int = 128
+    # Model family of ``random`` models (a transformers model_type with a kdrun adaptor).
+    family: str = "bert"
     # Tokenizer to use for ``random`` models (a model reference); null = the other model's tokenizer.
     tokenizer: Optional[str] = None
     dropout: Optional[float] = None

@@ -38,8 +38,11 @@ class AttentionInputs:
     """
 
     def __init__(self, q: list[torch.Tensor], k: list[torch.Tensor], v: list[torch.Tensor], heads: int,
-                 scaling: float):
+                 scaling: float, bias: list[torch.Tensor | None] | None = None):
+        # bias: per layer, what the family adds to the scaled Q K^T before the softmax (DeBERTa-v2's
+        # relative-position terms, (B*h, n, n)), None where nothing is added.
         self._raw = {"q": q, "k": k, "v": v}
+        self._bias = bias or [None] * len(q)
         self.heads = heads
         self.scaling = scaling
         self.num_layers = len(q)
@@ -50,11 +53,14 @@ class AttentionInputs:
             raise IndexError(f"attention layer {layer} requested; the model has layers 1..{self.num_layers}")
         return layer - 1
 
-    def projection(self, which: str, layer: int) -> torch.Tensor:
-        """(B, n, d) output of layer ``layer``'s ``which`` ∈ {q, k, v} projection (all heads)."""
+    def projection(self, which: str, layer: int) -> torch.Tensor | None:
+        """(B, n, d) output of layer ``layer``'s ``which`` ∈ {q, k, v} projection (all heads), or its
+        score ``bias`` ((B*h, n, n) or None)."""
         key = (which, layer)
         if key not in self._cache:
-            x = self._raw[which][self._layer(layer)]
+            x = (self._bias if which == "bias" else self._raw[which])[self._layer(layer)]
+            if x is None:
+                return None
             self._cache[key] = x.clone() if x.is_inference() else x
         return self._cache[key]
 
@@ -66,12 +72,17 @@ class AttentionInputs:
         return x.view(b, n, h, d // h).transpose(1, 2)
 
     def scores(self, layer: int) -> torch.Tensor:
-        """(B, h, n, n) pre-softmax attention scores Q K^T / sqrt(d_head) of ``layer`` (fp32, no mask)."""
+        """(B, h, n, n) pre-softmax attention scores of ``layer`` (fp32, no mask): Q K^T / sqrt(d_head),
+        plus the family's additive terms where it has them (kdrun/adaptors.py)."""
         key = ("scores", layer)
         if key not in self._cache:
             q = fp32(self.heads_of("q", layer))
             k = fp32(self.heads_of("k", layer))
-            self._cache[key] = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
+            scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
+            bias = self.projection("bias", layer)
+            if bias is not None:
+                scores = scores + fp32(bias).view_as(scores)
+            self._cache[key] = scores
         return self._cache[key]
 
 
@@ -122,26 +133,40 @@ class Features:
         return self._attention_inputs("qkv")
 
 
-def model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: batch[k] for k in MODEL_INPUTS if k in batch}
+def model_inputs(batch: Mapping[str, torch.Tensor], model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """The batch's model inputs; token_type_ids only for models that use them (not DistilBERT, nor
+    RoBERTa or DeBERTa-v3 with a single token type: segment ids of 1 would index past their table)."""
+    from kdrun.adaptors import find_adaptor
+
+    keys = MODEL_INPUTS
+    if model is not None:
+        config = getattr(model, "module", model).config
+        adaptor = find_adaptor(config)
+        if adaptor is not None and not adaptor.uses_token_types(config):
+            keys = tuple(k for k in keys if k != "token_type_ids")
+    return {k: batch[k] for k in keys if k in batch}
 
 
 def _capture_projections(model: nn.Module):
     """Register hooks keeping every layer's Q/K/V projection output; returns (store, handles, meta)."""
+    from kdrun.adaptors import get_adaptor
     from kdrun.models import attention_projections
 
     modules = attention_projections(model)
-    store: dict[str, list[Any]] = {w: [None] * len(modules) for w in ("q", "k", "v")}
+    adaptor = get_adaptor(getattr(model, "module", model))
+    store: dict[str, list[Any]] = {w: [None] * len(modules) for w in ("q", "k", "v", "bias")}
     handles = []
     for i, attn in enumerate(modules):
-        for which, lin in (("q", attn.query), ("k", attn.key), ("v", attn.value)):
+        for which, name in zip(("q", "k", "v"), adaptor.projections):
             def hook(_m, _inp, out, which=which, i=i):
-                store[which][i] = out
-            handles.append(lin.register_forward_hook(hook))
+                if store[which][i] is None:  # DeBERTa-v2 reuses Q and K on relative-position embeddings
+                    store[which][i] = out
+            handles.append(getattr(attn, name).register_forward_hook(hook))
+        patch = adaptor.score_bias(attn, store["bias"], i)
+        if patch is not None:
+            handles.append(patch)
     first = modules[0]
-    heads = int(first.num_attention_heads)
-    scaling = float(getattr(first, "scaling", first.attention_head_size ** -0.5))
-    return store, handles, (heads, scaling)
+    return store, handles, (int(getattr(first, adaptor.heads_attr)), adaptor.scaling(first))
 
 
 def extract_features(model: nn.Module, batch: Mapping[str, Any], needs: frozenset[str]) -> Features:
@@ -150,7 +175,7 @@ def extract_features(model: nn.Module, batch: Mapping[str, Any], needs: frozense
     store, handles, meta = _capture_projections(model) if capture else (None, [], None)
     try:
         out = model(
-            **model_inputs(batch),
+            **model_inputs(batch, model),
             output_hidden_states="hidden_states" in needs,
             output_attentions="attentions" in needs,
             return_dict=True,
@@ -163,7 +188,7 @@ def extract_features(model: nn.Module, batch: Mapping[str, Any], needs: frozense
         raise RuntimeError("model returned no attentions: it must run with attn_implementation='eager'")
     extra: dict[str, Any] = {}
     if capture:
-        extra["attention_inputs"] = AttentionInputs(store["q"], store["k"], store["v"], *meta)
+        extra["attention_inputs"] = AttentionInputs(store["q"], store["k"], store["v"], *meta, bias=store["bias"])
     return Features(
         logits=out.logits,
         attention_mask=batch["attention_mask"],

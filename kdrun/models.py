@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 
 from torch import nn
 
+from kdrun.adaptors import ADAPTORS, family_of, find_adaptor, get_adaptor, random_config
 from kdrun.errors import ConfigError, UserError
 
 OFFLINE_CHOICES = (
@@ -108,9 +109,11 @@ def load_tokenizer(ref: str):
     return tok
 
 
-def _attn_impl(need_attentions: bool) -> str:
-    # Transformers 5 returns no attention probabilities under SDPA: use eager only when asked.
-    return "eager" if need_attentions else "sdpa"
+def _attn_impl(need_attentions: bool, family: str = "bert") -> str:
+    # Transformers 5 returns no attention probabilities under SDPA: use eager only when asked (or
+    # when the family has no SDPA path, as DeBERTa-v2).
+    adaptor = ADAPTORS.get(family)
+    return "eager" if need_attentions or (adaptor is not None and not adaptor.sdpa) else "sdpa"
 
 
 def load_classifier(ref: str, num_labels: int, need_attentions: bool = False, dropout: float | None = None):
@@ -121,89 +124,74 @@ def load_classifier(ref: str, num_labels: int, need_attentions: bool = False, dr
     config = AutoConfig.from_pretrained(ref, num_labels=num_labels)
     if num_labels == 1:
         config.problem_type = "regression"
+    adaptor = find_adaptor(config)
     if dropout is not None:
-        config.hidden_dropout_prob = dropout
-        config.attention_probs_dropout_prob = dropout
+        for name in adaptor.dropout_fields if adaptor else ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            setattr(config, name, dropout)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the "newly initialized classifier" notice is expected here
     try:
         model = AutoModelForSequenceClassification.from_pretrained(
-            ref, config=config, attn_implementation=_attn_impl(need_attentions)
+            ref, config=config, attn_implementation=_attn_impl(need_attentions, config.model_type)
         )
     finally:
         hf_logging.set_verbosity(verbosity)
     return model
 
 
-def random_classifier(cfg: Any, vocab_size: int, num_labels: int, need_attentions: bool = False):
-    """A freshly initialised BERT classifier of the sizes in a ``random`` model config."""
-    from transformers import BertConfig, BertForSequenceClassification
+def random_classifier(cfg: Any, vocab_size: int, num_labels: int, need_attentions: bool = False,
+                      pad_token_id: int = 0):
+    """A freshly initialised classifier of family ``cfg.family`` (default BERT) and the sizes in a
+    ``random`` model config; ``pad_token_id`` is the shared tokenizer's (RoBERTa's positions depend on it)."""
+    from transformers import AutoModelForSequenceClassification
 
-    config = BertConfig(
-        vocab_size=vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        intermediate_size=cfg.intermediate_size,
-        max_position_embeddings=512,
-        num_labels=num_labels,
-        hidden_dropout_prob=0.1 if cfg.dropout is None else cfg.dropout,
-        attention_probs_dropout_prob=0.1 if cfg.dropout is None else cfg.dropout,
-    )
+    config = random_config(cfg, vocab_size, num_labels, pad_token_id)
     if num_labels == 1:
         config.problem_type = "regression"
-    config._attn_implementation = _attn_impl(need_attentions)
-    return BertForSequenceClassification(config)
+    config._attn_implementation = _attn_impl(need_attentions, config.model_type)
+    return AutoModelForSequenceClassification.from_config(config)
 
 
-def _encoder_layers(model: nn.Module) -> nn.ModuleList:
-    base = getattr(model, model.base_model_prefix)
-    return base.encoder.layer
+def encoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer layers of a model of a registered family (kdrun/adaptors.py)."""
+    model = getattr(model, "module", model)  # DistributedDataParallel
+    return get_adaptor(model).layers(model)
 
 
 def attention_projections(model: nn.Module) -> list[nn.Module]:
-    """The self-attention module of every transformer layer, in order (BERT-style: a module with
-    ``query``, ``key`` and ``value`` linear projections). Forward hooks on those projections give the
-    features record Q, K, V and pre-softmax attention scores under any attention implementation."""
+    """The self-attention module of every transformer layer, in order: the module holding the
+    family's Q, K, V linear projections. Forward hooks on those projections give the features record
+    Q, K, V and pre-softmax attention scores under any attention implementation."""
     model = getattr(model, "module", model)  # DistributedDataParallel
-    try:
-        layers = _encoder_layers(model)
-    except AttributeError:
-        layers = []
-    found = []
-    for layer in layers:
-        attn = next((m for m in layer.modules() if all(isinstance(getattr(m, n, None), nn.Linear)
-                                                       for n in ("query", "key", "value"))), None)
-        if attn is None:
-            break
-        found.append(attn)
+    adaptor = get_adaptor(model, needed_for="reading Q, K, V or attention scores")
+    layers = adaptor.layers(model)
+    found = [a for a in (adaptor.attention(layer) for layer in layers) if a is not None]
     if not layers or len(found) != len(layers):
         raise ConfigError(
-            f"{type(model).__name__} has no BERT-style self-attention (query/key/value projections in "
-            "base_model.encoder.layer); loss terms that read Q, K, V or attention scores (TinyBERT's "
-            "attention loss, MiniLM) need a BERT-style teacher and student")
+            f"{type(model).__name__} ({adaptor.family}) has no self-attention with {'/'.join(adaptor.projections)} "
+            "projections in every layer; loss terms that read Q, K, V or attention scores (TinyBERT's attention "
+            "loss, MiniLM) cannot use it")
     return found
 
 
 def truncate_layers(model: nn.Module, num_layers: int) -> nn.Module:
     """A copy of ``model`` keeping embeddings, the first ``num_layers`` layers, pooler and head (PKD)."""
-    layers = _encoder_layers(model)
+    adaptor = get_adaptor(model, needed_for="student=truncated")
+    layers = adaptor.layers(model)
     if not 1 <= num_layers <= len(layers):
         raise ConfigError(
             f"student.num_layers={num_layers} but the source model has {len(layers)} layers; "
             f"choose 1..{len(layers)}"
         )
     student = copy.deepcopy(model)
-    base = getattr(student, student.base_model_prefix)
-    base.encoder.layer = nn.ModuleList(list(base.encoder.layer)[:num_layers])
-    student.config.num_hidden_layers = num_layers
-    if getattr(student.config, "layer_types", None):
-        student.config.layer_types = student.config.layer_types[:num_layers]
+    adaptor.set_layers(student, list(adaptor.layers(student))[:num_layers])
     return student
 
 
 def set_attn_implementation(model: nn.Module, need_attentions: bool) -> None:
-    impl = _attn_impl(need_attentions)
+    impl = _attn_impl(need_attentions, family_of(model))
+    if impl == getattr(model.config, "_attn_implementation", None):
+        return
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(impl)
     else:  # older transformers
@@ -211,12 +199,15 @@ def set_attn_implementation(model: nn.Module, need_attentions: bool) -> None:
 
 
 def describe(model: nn.Module) -> dict[str, Any]:
+    """Sizes the loss terms' checks read, plus the family (``config.model_type``)."""
     c = model.config
+    adaptor = find_adaptor(c)
+    sizes = adaptor.sizes(c) if adaptor else {
+        "layers": int(c.num_hidden_layers), "hidden": int(c.hidden_size), "heads": int(c.num_attention_heads)}
     return {
-        "layers": int(c.num_hidden_layers),
-        "hidden": int(c.hidden_size),
-        "heads": int(c.num_attention_heads),
+        **sizes,
         "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
+        "family": family_of(c),
     }
 
 

@@ -23,6 +23,7 @@ from kdrun.objective import plan_stages
 
 def preflight(cfg: DictConfig) -> dict[str, Any]:
     """Everything that can be checked before loading data or models. Returns resolved model refs."""
+    from kdrun.adaptors import ADAPTORS
     from kdrun.data.sources import check_task_data
     from kdrun.metrics import check_metric_names
     from kdrun.models import resolve_reference
@@ -71,6 +72,8 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
         m = getattr(cfg, role)
         if m.kind not in ("pretrained", "truncated", "random"):
             raise ConfigError(f"{role}.kind='{m.kind}' must be pretrained, truncated or random")
+        if m.kind == "random" and m.family not in ADAPTORS:
+            raise ConfigError(f"{role}.family='{m.family}' must be one of {', '.join(ADAPTORS)}")
         if m.kind == "random" and m.tokenizer:
             refs[f"{role}_tokenizer"] = resolve_reference(m.tokenizer, what=f"{role}.tokenizer")
         if role == "teacher" and not uses_teacher:
@@ -247,6 +250,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
     from kdrun import models as M
+    from kdrun.adaptors import check_features
     from kdrun.data.pipeline import Collator, tokenize_splits
     from kdrun.data.sources import load_task_data
     from kdrun.metrics import compute_task_metrics
@@ -357,7 +361,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         else:
             def new_teacher():
                 if tc.kind == "random":
-                    return M.random_classifier(tc, len(tokenizer), task.num_labels)
+                    return M.random_classifier(tc, len(tokenizer), task.num_labels, pad_token_id=tokenizer.pad_token_id)
                 return M.load_classifier(refs["teacher"], task.num_labels, dropout=tc.dropout)
 
             def train_teacher(out: Path) -> dict[str, Any]:
@@ -415,7 +419,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         for p in student.parameters():
             p.requires_grad_(True)
     elif sc.kind == "random":
-        student = M.random_classifier(sc, len(tokenizer), task.num_labels)
+        student = M.random_classifier(sc, len(tokenizer), task.num_labels, pad_token_id=tokenizer.pad_token_id)
     else:
         student = M.load_classifier(refs["student"], task.num_labels, dropout=sc.dropout)
         s_tok = M.load_tokenizer(refs["student"])
@@ -428,6 +432,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             if m.__class__.__name__ == "Dropout":
                 m.p = sc.dropout
     M.set_attn_implementation(student, need_s_attn)
+    check_features(plans, student, accelerator.unwrap_model(teacher) if teacher is not None else None)
     s_info = M.describe(student)
     t_info = M.describe(accelerator.unwrap_model(teacher)) if teacher is not None else None
     mapping = pre["mapping"]

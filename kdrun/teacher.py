@@ -38,10 +38,11 @@ TEACHER_KEYED = {
     "num_hidden_layers": "size of a random teacher (kind=random only)",
     "num_attention_heads": "size of a random teacher (kind=random only)",
     "intermediate_size": "size of a random teacher (kind=random only)",
+    "family": "model family of a random teacher (kind=random only; a pretrained one has its checkpoint's)",
     "dropout": "dropout while fine-tuning",
     "finetune": "every fine-tuning hyperparameter, the seed and the teacher's own train settings",
 }
-_RANDOM_ONLY = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_RANDOM_ONLY = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "family")
 # teacher.*: in the key through what they resolve to.
 TEACHER_KEYED_AS_RESOLVED = {
     "name_or_path": "keyed as the resolved model reference (a directory: its path and its files' sizes and mtimes)",

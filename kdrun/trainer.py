@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from kdrun.cache import staging_dir, write_json_atomic
 from kdrun.data.pipeline import make_loader
 from kdrun.errors import ConfigError, UserError
-from kdrun.features import Features, extract_features
+from kdrun.features import Features, extract_features, model_inputs
 from kdrun.objective import Objective, StagePlan
 from kdrun.preemption import Interrupted, PreemptionGuard
 
@@ -158,7 +158,7 @@ def predict(model: nn.Module, data, collator, batch_size: int, accelerator,
                       mininterval=2.0, dynamic_ncols=True):
         batch = _to_device(batch, accelerator.device)
         with accelerator.autocast():
-            out = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in batch})
+            out = model(**model_inputs(batch, model))
         logits.append(out.logits.float().cpu())
         labels.append(batch["labels"].cpu())
         order.append(batch["idx"].cpu())

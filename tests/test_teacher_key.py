@@ -80,6 +80,7 @@ KEYED_CHANGES = {
     "teacher.num_hidden_layers": 3,
     "teacher.num_attention_heads": 4,
     "teacher.intermediate_size": 96,
+    "teacher.family": "roberta",
     "teacher.dropout": 0.2,
     "teacher.finetune.epochs": 3.0,
     "teacher.finetune.lr": 1e-4,
