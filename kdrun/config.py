@@ -70,6 +70,20 @@ class TaskConfig:
 
 
 @dataclass
+class OptimizerConfig:
+    """A ``torch.optim`` optimizer by class name (``AdamW``, ``SGD``, ...) and its keyword arguments.
+
+    The learning rate and weight decay come from the stage (``lr``, ``weight_decay``; biases and
+    LayerNorm weights are not decayed), so ``kwargs`` holds the rest (``betas``, ``momentum``, ...).
+    """
+
+    name: str = "AdamW"
+    # Untyped (null by default) so that ``train.optimizer.kwargs={betas: [0.9, 0.98]}`` sets it as a
+    # whole (a typed dict would take new keys only as ``+train.optimizer.kwargs.betas=...``).
+    kwargs: Any = None
+
+
+@dataclass
 class FinetuneConfig:
     """Hyperparameters for fine-tuning a teacher on the task (plain cross-entropy / MSE)."""
 
@@ -91,6 +105,9 @@ class FinetuneConfig:
     keep_best: bool = True
     # Batches of similar-length rows (false: random batches).
     group_by_length: bool = True
+    # The teacher's optimizer and learning-rate schedule (see TrainConfig).
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: str = "linear"
 
 
 @dataclass
@@ -154,6 +171,11 @@ class StageConfig:
     # Whether the stage's dev metric selects the best student kept (intermediate-layer stages
     # train no classifier, so their dev metric means little).
     select_best: bool = True
+    # This stage's optimizer ({name: SGD, kwargs: {momentum: 0.9}}, keys as in OptimizerConfig) and
+    # schedule; null = train.optimizer / train.scheduler. Untyped, as OmegaConf cannot merge a
+    # value into a null typed node; preflight checks its keys.
+    optimizer: Any = None
+    scheduler: Optional[str] = None
 
 
 @dataclass
@@ -253,6 +275,11 @@ class TrainConfig:
     precision: str = "auto"
     gradient_accumulation_steps: int = 1
     max_grad_norm: float = 1.0
+    # Every stage's optimizer (a stage may set its own) and learning-rate schedule after the
+    # linear warmup of warmup_ratio: ``linear`` (decay to 0), ``cosine`` (half a cosine to 0) or
+    # ``constant``.
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: str = "linear"
     eval_batch_size: int = 128
     checkpoint_every_steps: Optional[int] = 200
     # Keep the best dev student of the last selecting stage (else the last one).

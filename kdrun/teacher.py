@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from kdrun.cache import content_hash, file_fingerprint, get_or_build, write_json_atomic
 from kdrun.losses import get_loss
 from kdrun.objective import StagePlan, Term
+from kdrun.optim import without_default_optim
 
 # 2: task splits/metrics and all of teacher.finetune (with its own clipping, accumulation, best-keeping
 # and batching settings) keyed; train.group_by_length no longer is (the teacher has its own).
@@ -40,7 +41,9 @@ TEACHER_KEYED = {
     "intermediate_size": "size of a random teacher (kind=random only)",
     "family": "model family of a random teacher (kind=random only; a pretrained one has its checkpoint's)",
     "dropout": "dropout while fine-tuning",
-    "finetune": "every fine-tuning hyperparameter, the seed and the teacher's own train settings",
+    "finetune": "every fine-tuning hyperparameter, the seed and the teacher's own train settings (optimizer and "
+                "schedule: default values are left out of the hash, so the entries cached before they existed "
+                "stay valid)",
 }
 _RANDOM_ONLY = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "family")
 # teacher.*: in the key through what they resolve to.
@@ -96,6 +99,8 @@ TRAIN_REPLACED: dict[str, Callable[[Any], Any]] = {
     "checkpoint_every_steps": lambda ft: None,  # an interrupted teacher is fine-tuned again from the start
     "stop_after_steps": lambda ft: None,  # the testing aid stops the student only
     "cache_teacher_logits": lambda ft: False,  # the teacher learns from gold labels: it has no teacher
+    "optimizer": lambda ft: ft.optimizer,
+    "scheduler": lambda ft: ft.scheduler,
 }
 # train.*: they reach the teacher's fine-tuning but are not in the key because they cannot change its weights.
 TRAIN_NOT_IN_KEY = {
@@ -116,7 +121,7 @@ RUN_NOT_IN_KEY = {
     "mapping": "layer maps of the distillation only",
     "augmentation": "the teacher trains on the original training split only",
     "spans": "MGSKD spans; the teacher's CE loss ignores them",
-    "logger": "the teacher's tracker is disabled; log_every_steps only times logging",
+    "logger": "the teacher's fine-tuning logs nothing (fine_tune_teacher)",
     "sweep": "launching only", "launcher": "launching only",
     "cache_dir": "where the cache is", "resume": "the student's checkpoints",
     "output_dir": "where the run writes", "run_name": "a label",
@@ -126,10 +131,53 @@ RUN_CLASSIFIED_BY_KEY = ("task", "teacher", "train")
 
 
 def teacher_train_cfg(train_cfg: Any, finetune_cfg: Any) -> DictConfig:
-    """The ``train`` settings the trainer gets while fine-tuning the teacher: the run's, with every
-    key of TRAIN_REPLACED replaced (for the default config they equal the run's where the trainer
+    """The ``train`` settings the trainer gets while fine-tuning the teacher, built key by key: the
+    run's value only for TRAIN_KEYED and TRAIN_NOT_IN_KEY keys, the TRAIN_REPLACED value (from
+    ``teacher.finetune`` or fixed) for the rest. A train key missing from these tables does not
+    reach the teacher at all (for the default config the values equal the run's where the trainer
     reads them, so defaults train the teacher as before)."""
-    return OmegaConf.merge(train_cfg, {k: fn(finetune_cfg) for k, fn in TRAIN_REPLACED.items()})
+    passed = {k: train_cfg[k] for k in (*TRAIN_KEYED, *TRAIN_NOT_IN_KEY)}
+    return OmegaConf.create({**passed, **{k: fn(finetune_cfg) for k, fn in TRAIN_REPLACED.items()}})
+
+
+def fine_tune_teacher(out: Path, new_model: Callable[[], Any], cfg: Any, accelerator: Any, train_data: Any,
+                      eval_data: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """Fine-tune a new teacher (``new_model()``, built after seeding) on the task into ``out/model``
+    and return its dev metrics. It trains with ``teacher.finetune`` (finetune_plan,
+    teacher_train_cfg) and reads of the run's config only ``task`` and the ``train`` keys classified
+    above as keyed or unable to change its weights; it logs nothing."""
+    from kdrun import models as M
+    from kdrun.data.pipeline import Collator
+    from kdrun.metrics import task_metric_fn
+    from kdrun.objective import Objective
+    from kdrun.tracking import Tracker
+    from kdrun.trainer import RunParts, TrainState, evaluate, finalize_best, run_stage, seed_everything
+
+    task, ft = cfg.task, cfg.teacher.finetune
+    ttcfg = teacher_train_cfg(cfg.train, ft)
+    seed_everything(ttcfg.seed)
+    # Whichever process takes the cache lock fine-tunes the teacher alone (the others wait for the
+    # entry), so this is never data-parallel.
+    model = accelerator.prepare_model(new_model()) if accelerator.num_processes == 1 else \
+        new_model().to(accelerator.device)
+    plan = finetune_plan(ft)
+    parts = RunParts(
+        accelerator=accelerator, student=model, teacher=None,
+        objective=Objective([plan], [], task.num_labels, M.describe(model), None),
+        train_data=train_data, eval_data=eval_data,
+        collator=Collator(tokenizer.pad_token_id, task.num_labels == 1,
+                          pad_to=task.max_seq_length if ttcfg.pad_to_max_length else None),
+        metric_fn=task_metric_fn(task), main_metric=task.main_metric, train_cfg=ttcfg,
+        tracker=Tracker(out, OmegaConf.create({"name": "none"}), {}, "teacher", enabled=False),
+        run_dir=out, config_hash="teacher",
+    )
+    print(f"[kdrun] fine-tuning the teacher ({cfg.teacher.name}) on {task.name}")
+    with teacher_accelerator(accelerator, ttcfg.gradient_accumulation_steps):
+        run_stage(parts, plan, TrainState(), None)
+    finalize_best(parts)
+    save_model_files(accelerator.unwrap_model(model), out / "model")
+    tokenizer.save_pretrained(out / "model")
+    return evaluate(parts, model)
 
 
 @contextmanager
@@ -156,8 +204,10 @@ def finetune_plan(finetune_cfg: Any) -> StagePlan:
     cfg = OmegaConf.to_container(finetune_cfg, resolve=True) if not isinstance(finetune_cfg, dict) else finetune_cfg
     stage = {"name": "finetune", "epochs": cfg["epochs"], "lr": cfg["lr"], "batch_size": cfg["batch_size"],
              "warmup_ratio": cfg["warmup_ratio"], "weight_decay": cfg["weight_decay"], "objective_lr": None,
-             "data": "original", "eval_every_steps": cfg.get("eval_every_steps"), "select_best": True, "losses": []}
-    return StagePlan(0, "finetune", stage, [Term("ce", get_loss("ce"), 1.0, {}, "teacher.finetune")])
+             "data": "original", "eval_every_steps": cfg.get("eval_every_steps"), "select_best": True, "losses": [],
+             "optimizer": cfg.get("optimizer"), "scheduler": cfg.get("scheduler")}
+    ce = get_loss("ce")
+    return StagePlan(0, "finetune", stage, [Term("ce", ce, 1.0, ce.make_params(), "teacher.finetune")])
 
 
 def teacher_cache_key(cfg: Any, resolved_ref: str, data_hash: str, tok_hash: str, precision: str) -> str:
@@ -177,7 +227,8 @@ def teacher_cache_key(cfg: Any, resolved_ref: str, data_hash: str, tok_hash: str
         "model": ref_identity,
         "tokenizer": tok_hash,
         "data": data_hash,
-        "teacher": {k: (OmegaConf.to_container(tc[k], resolve=True) if k == "finetune" else tc[k])
+        "teacher": {k: (without_default_optim(OmegaConf.to_container(tc[k], resolve=True)) if k == "finetune"
+                        else tc[k])
                     for k in TEACHER_KEYED if random or k not in _RANDOM_ONLY},
         "task": {k: OmegaConf.to_container(task[k], resolve=True) if OmegaConf.is_config(task[k]) else task[k]
                  for k in TASK_KEYED},

@@ -93,6 +93,8 @@ KEYED_CHANGES = {
     "teacher.finetune.max_grad_norm": 0.5,
     "teacher.finetune.keep_best": False,
     "teacher.finetune.group_by_length": False,
+    "teacher.finetune.optimizer": {"name": "SGD", "kwargs": None},
+    "teacher.finetune.scheduler": "cosine",
     "task.num_labels": 3,
     "task.max_seq_length": 32,
     "task.train_split": "validation",
@@ -105,6 +107,8 @@ KEYED_CHANGES = {
 def _override(name: str, value) -> str:
     if isinstance(value, list):
         text = "[" + ",".join(value) + "]"
+    elif isinstance(value, dict):
+        text = "{" + ", ".join(f"{k}: {'null' if v is None else v}" for k, v in value.items()) + "}"
     elif isinstance(value, bool):
         text = str(value).lower()
     else:
@@ -197,6 +201,8 @@ NOT_IN_KEY_CHANGES = {
     "train.precision": "bf16",  # keyed only as the accelerator resolves it (see above)
     "train.gradient_accumulation_steps": 2,
     "train.max_grad_norm": 0.01,
+    "train.optimizer": {"name": "SGD", "kwargs": None},
+    "train.scheduler": "cosine",
     "train.eval_batch_size": 7,
     "train.checkpoint_every_steps": 1,
     "train.keep_best": False,
@@ -265,7 +271,7 @@ def test_replaced_train_keys_never_reach_the_teacher(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["seed", "gradient_accumulation_steps", "max_grad_norm", "keep_best",
-                                  "group_by_length"])
+                                  "group_by_length", "optimizer", "scheduler"])
 def test_teacher_uses_its_own_finetune_settings(name: str) -> None:
     cfg = base(_override(f"teacher.finetune.{name}", KEYED_CHANGES[f"teacher.finetune.{name}"]))
     ttcfg = T.teacher_train_cfg(cfg.train, cfg.teacher.finetune)
@@ -311,14 +317,16 @@ REAL_BASE = ["objective=finetune", "student=truncated", "student.num_layers=2", 
              "teacher.finetune.eval_every_steps=2", "train.stop_after_steps=1"]
 REAL_TRAIN_CHANGED = [
     "seed=7", "train.epochs=3", "train.lr=0.01", "train.precision=fp32", "train.gradient_accumulation_steps=2",
-    "train.max_grad_norm=0.01", "train.eval_batch_size=7", "train.checkpoint_every_steps=1", "train.keep_best=false",
+    "train.max_grad_norm=0.01", "train.optimizer={name: SGD, kwargs: {momentum: 0.9}}", "train.scheduler=constant",
+    "train.eval_batch_size=7", "train.checkpoint_every_steps=1", "train.keep_best=false",
     "train.cache_teacher_logits=false", "train.group_by_length=false", "train.pad_to_max_length=true",
     "train.num_workers=1", "train.stop_after_steps=2", "teacher.name=renamed", "task.name=renamed",
     "logger.log_every_steps=1",
 ]
 # The teacher's own counterparts: these do change it (the comparison is not blind).
 REAL_FINETUNE_CHANGED = ["teacher.finetune.max_grad_norm=0.01", "teacher.finetune.gradient_accumulation_steps=2",
-                         "teacher.finetune.group_by_length=false", "teacher.finetune.keep_best=false"]
+                         "teacher.finetune.group_by_length=false", "teacher.finetune.keep_best=false",
+                         "teacher.finetune.scheduler=constant"]
 
 
 def _fine_tune(cache: Path, run_dir: Path, *overrides: str) -> tuple[str, dict, dict]:

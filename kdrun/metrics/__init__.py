@@ -12,11 +12,12 @@ takes seconds), so importing this package for ``VALID_METRICS`` or ``check_metri
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ __all__ = [
     "VALID_METRICS",
     "check_metric_names",
     "compute_task_metrics",
+    "task_metric_fn",
     "load_glue_metric",
 ]
 
@@ -192,3 +194,9 @@ def compute_task_metrics(
         preds, refs = preds.astype(np.float32), refs.astype(np.float32)
     result = load_glue_metric(regression).compute(predictions=preds, references=refs, metrics=names)
     return {name: float(result[name]) for name in names}
+
+
+def task_metric_fn(task_cfg: Any) -> Callable[[Any, Any], dict[str, float]]:
+    """``(logits, labels) -> metrics`` for a task config (its ``metrics``; regression when ``num_labels`` is 1)."""
+    return functools.partial(compute_task_metrics, list(task_cfg.metrics), regression=task_cfg.num_labels == 1)
+

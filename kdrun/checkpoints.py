@@ -1,0 +1,156 @@
+"""Checkpoints: the training state, module weights, optimizer/scheduler and RNG states.
+
+``checkpoints/last`` holds everything a resume needs (replaced atomically); ``checkpoints/best``
+the best dev student so far. A resumed run continues bit for bit as if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from kdrun.cache import staging_dir, write_json_atomic
+from kdrun.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kdrun.trainer import RunParts
+
+
+@dataclass
+class TrainState:
+    """Where training is; saved in every checkpoint (JSON)."""
+
+    stage: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0  # batches of the current epoch already consumed
+    stage_step: int = 0  # optimizer steps in the current stage
+    global_step: int = 0  # optimizer steps over all stages
+    best_metric: float | None = None
+    best_stage: int | None = None
+    best_step: int | None = None
+    stage_results: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+# ------------------------------------------------------------------------------------------ RNG
+
+def rng_state() -> dict[str, Any]:
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": list(random.getstate()[1]) + [random.getstate()[0], random.getstate()[2]],
+        "numpy": np.random.get_state()[1].tolist(),
+        "numpy_pos": int(np.random.get_state()[2]),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py[-2], tuple(py[:-2]), py[-1]))
+    np.random.set_state(("MT19937", np.array(state["numpy"], dtype=np.uint32), state["numpy_pos"], 0, 0.0))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# -------------------------------------------------------------------------------------- modules
+
+def _state_dict_cpu(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+
+
+def save_module(module: nn.Module, path: Path) -> None:
+    sd = _state_dict_cpu(module)
+    # safetensors refuses tensors that share storage (tied embeddings): store clones.
+    save_file({k: v.clone() for k, v in sd.items()}, str(path))
+
+
+def load_module(module: nn.Module, path: Path) -> None:
+    module.load_state_dict(load_file(str(path)), strict=True)
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / "last"
+
+
+def save_checkpoint(parts: RunParts, state: TrainState, optimizer, scheduler) -> None:
+    """Atomically replace checkpoints/last with the current training state."""
+    if not parts.accelerator.is_main_process:
+        return
+    final = checkpoint_dir(parts.run_dir)
+    with staging_dir(final) as tmp:
+        save_module(parts.accelerator.unwrap_model(parts.student), tmp / "student.safetensors")
+        save_module(parts.objective, tmp / "objective.safetensors")
+        torch.save(
+            {"optimizer": optimizer.state_dict() if optimizer else None,
+             "scheduler": scheduler.state_dict() if scheduler else None,
+             "rng": rng_state()},
+            tmp / "optim_rng.pt",
+        )
+        write_json_atomic(tmp / "state.json", {"config_hash": parts.config_hash, **state.to_dict()})
+
+
+def load_checkpoint_state(run_dir: Path, config_hash: str) -> TrainState | None:
+    ckpt = checkpoint_dir(run_dir)
+    if not (ckpt / "state.json").exists():
+        return None
+    meta = json.loads((ckpt / "state.json").read_text())
+    if meta.pop("config_hash") != config_hash:
+        raise ConfigError(
+            f"{ckpt} belongs to a run with a different configuration; use a new run directory "
+            "(hydra.run.dir=...) or resume=false to start over"
+        )
+    return TrainState(**meta)
+
+
+def load_optim_rng(resume_from: Path, optimizer, scheduler) -> None:
+    """Restore a stage's optimizer and scheduler (unless the checkpoint closed the previous stage)
+    and the RNG states from ``resume_from``."""
+    blob = torch.load(resume_from / "optim_rng.pt", weights_only=True, map_location="cpu")
+    if blob["optimizer"] is not None:  # None: the checkpoint closed the previous stage
+        optimizer.load_state_dict(blob["optimizer"])
+        scheduler.load_state_dict(blob["scheduler"])
+    set_rng_state(blob["rng"])
+
+
+def save_best(parts: RunParts, state: TrainState) -> None:
+    if not parts.accelerator.is_main_process:
+        return
+    final = parts.run_dir / "checkpoints" / "best"
+    with staging_dir(final) as tmp:
+        save_module(parts.accelerator.unwrap_model(parts.student), tmp / "student.safetensors")
+        write_json_atomic(tmp / "best.json", {"metric": state.best_metric, "stage": state.best_stage,
+                                              "step": state.best_step})
+
+
+def restore_models(parts: RunParts, ckpt: Path) -> None:
+    load_module(parts.accelerator.unwrap_model(parts.student), ckpt / "student.safetensors")
+    load_module(parts.objective, ckpt / "objective.safetensors")
+
+
+def finalize_best(parts: RunParts) -> None:
+    """Load the kept best student (when selecting) into ``parts.student``."""
+    best = parts.run_dir / "checkpoints" / "best" / "student.safetensors"
+    if parts.train_cfg.keep_best and best.exists():
+        load_module(parts.accelerator.unwrap_model(parts.student), best)
