@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tasks", default=",".join(GLUE_DIRS))
     p.add_argument("--objectives", default=",".join(OBJECTIVES))
     p.add_argument("--grid-lr", default="2e-4,5e-4", help="learning rates tried on dev")
-    p.add_argument("--ckd-lambda", default="1,10", help="objective.params.lambda_ckd values tried for ckd")
+    p.add_argument("--ckd-lambda", default="0.01,0.1,1,10", help="objective.params.lambda_ckd values tried for ckd")
     p.add_argument("--grid-seed", type=int, default=0)
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--max-train-samples", type=int, default=None, help="override the preset's subsample")
@@ -94,6 +94,26 @@ def choose(grid_dir: Path, keys: list[str]) -> dict[str, object] | None:
             "grid": {",".join(str(r.flat.get(k)) for k in keys): r.value for r in runs}}
 
 
+def retire_other_settings(seeds_dir: Path, setting: dict[str, object], stale: Path) -> None:
+    """Move seed runs of another setting (the choice changed after the grid grew) out of the
+    reported directory, so the report never picks among settings on the seeds it reports."""
+    import shutil
+
+    runs, _ = collect([seeds_dir]) if seeds_dir.exists() else ([], [])
+    for r in runs:
+        if not all(_same(r.flat.get(k), v) for k, v in setting.items()):
+            stale.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(r.path), str(stale / r.path.name))
+            print(f"[reproduce_glue] moved {r.path} (not the chosen {setting}) to {stale}", flush=True)
+
+
+def _same(a: object, b: object) -> bool:
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return str(a) == str(b)
+
+
 def run_objective(args: argparse.Namespace, task: str, objective: str, out: Path) -> dict[str, object] | None:
     common = [*common_overrides(args, task), f"objective={objective}"]
     points = grid(args, objective)
@@ -101,6 +121,8 @@ def run_objective(args: argparse.Namespace, task: str, objective: str, out: Path
                    out / "grid" / task / objective, args.dry_run)
     chosen = None if args.dry_run else choose(out / "grid" / task / objective, list(points))
     setting = chosen["setting"] if chosen else {k: v.split(",")[0] for k, v in points.items()}
+    if not args.dry_run:
+        retire_other_settings(out / "seeds" / task / objective, setting, out / "stale" / task / objective)
     kdrun_multirun([*common, *(f"{k}={v}" for k, v in setting.items()), f"seed={args.seeds}"],
                    out / "seeds" / task / objective, args.dry_run)
     return chosen
@@ -108,6 +130,22 @@ def run_objective(args: argparse.Namespace, task: str, objective: str, out: Path
 
 def run_task(args: argparse.Namespace, task: str, out: Path) -> dict[str, object]:
     return {obj: run_objective(args, task, obj, out) for obj in args.objectives.split(",")}
+
+
+def merged_choices(path: Path, chosen: dict, args: argparse.Namespace, seconds: float) -> dict:
+    """chosen.json with this invocation's choices added to those of earlier invocations (a rerun for
+    a subset of tasks or objectives updates those entries), and each invocation's wall time."""
+    import json
+
+    old = json.loads(path.read_text()) if path.exists() else {"chosen": {}, "invocations": []}
+    if "invocations" not in old:  # written by an earlier version: one invocation's keys at the top
+        old["invocations"] = [{k: v for k, v in old.items() if k != "chosen"}]
+    for task, objectives in chosen.items():
+        old["chosen"].setdefault(task, {}).update(objectives)
+    old.setdefault("invocations", []).append(
+        {"tasks": args.tasks, "objectives": args.objectives, "grid_lr": args.grid_lr, "ckd_lambda": args.ckd_lambda,
+         "grid_seed": args.grid_seed, "seeds": args.seeds, "wall_seconds_until_report": round(seconds, 1)})
+    return {"chosen": old["chosen"], "invocations": old["invocations"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,9 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     print("$ " + " ".join(report), flush=True)
     if args.dry_run:
         return 0
-    write_json_atomic(out / "chosen.json", {"chosen": chosen, "grid_lr": args.grid_lr, "ckd_lambda": args.ckd_lambda,
-                                            "grid_seed": args.grid_seed, "seeds": args.seeds,
-                                            "wall_seconds_until_report": round(time.time() - t0, 1)})
+    write_json_atomic(out / "chosen.json", merged_choices(out / "chosen.json", chosen, args, time.time() - t0))
     rc = subprocess.call(report)
     print(f"[reproduce_glue] wall time {time.time() - t0:.0f}s; chosen settings in {out / 'chosen.json'}")
     return rc
