@@ -452,7 +452,9 @@ def test_objective_weights_and_switches() -> None:
     assert w == pytest.approx({"ce": 0.3, "logit_kd": 0.7, "ckd_wr_pair": 10, "ckd_wr_angle": 1000,
                                "ckd_ltr_pair": 10, "ckd_ltr_angle": 1000})
     assert weights("objective.params.lambda_ltr=2")["ckd_ltr_angle"] == pytest.approx(2.0)  # untied
-    full = weights()
+    full = weights()  # the defaults: lambda_ckd 0.01 (chosen on dev by the miniature GLUE study), lambda_wr 10
+    assert full == pytest.approx({"ce": 0.1, "logit_kd": 0.9, "ckd_wr_pair": 0.01, "ckd_wr_angle": 0.1,
+                                  "ckd_ltr_pair": 0.01, "ckd_ltr_angle": 0.1})
     for term in ("wr_pair", "wr_angle", "ltr_pair", "ltr_angle"):
         # a switched-off term weighs 0, so the objective drops it; nothing else changes
         assert weights(f"objective.params.{term}=false") == {k: v for k, v in full.items() if k != f"ckd_{term}"}
