@@ -25,7 +25,7 @@ from kdrun.losses import Params, param, register_loss
 @dataclass(frozen=True)
 class Offset(Params):
     offset: float = param(0.0)
-    scale: float = param(1.0, check=lambda v: None if v > 0 else "must be > 0")
+    scale: float = param(1.0, check=lambda v: None if v >= 0 else "must be >= 0")
 
 
 @register_loss("{name}", params=Offset, uses_teacher=False)
@@ -113,7 +113,7 @@ def test_entry_point_group_discovers_installed_plugins(tmp_path: Path, monkeypat
     monkeypatch.setattr(R, "_discovered", False)
     spec = get_loss("plug_ep_square")
     assert spec.make_params({"scale": 3}).scale == 3.0
-    with pytest.raises(ParamError, match="params.scale=-1.0 must be > 0"):
+    with pytest.raises(ParamError, match="params.scale=-1.0 must be >= 0"):
         spec.make_params({"scale": -1})
 
 
