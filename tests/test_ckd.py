@@ -451,7 +451,8 @@ def test_objective_weights_and_switches() -> None:
     w = weights("objective.alpha=0.7", "objective.params.lambda_ckd=10", "objective.params.lambda_wr=100")
     assert w == pytest.approx({"ce": 0.3, "logit_kd": 0.7, "ckd_wr_pair": 10, "ckd_wr_angle": 1000,
                                "ckd_ltr_pair": 10, "ckd_ltr_angle": 1000})
-    assert weights("objective.params.lambda_ltr=2")["ckd_ltr_angle"] == pytest.approx(2.0)  # untied
+    untied = weights("objective.params.lambda_ckd=1", "objective.params.lambda_ltr=2")
+    assert untied["ckd_ltr_angle"] == pytest.approx(2.0)  # lambda_ltr no longer follows lambda_wr
     full = weights()  # the defaults: lambda_ckd 0.01 (chosen on dev by the miniature GLUE study), lambda_wr 10
     assert full == pytest.approx({"ce": 0.1, "logit_kd": 0.9, "ckd_wr_pair": 0.01, "ckd_wr_angle": 0.1,
                                   "ckd_ltr_pair": 0.01, "ckd_ltr_angle": 0.1})
