@@ -108,7 +108,9 @@ def save_checkpoint(parts: RunParts, state: TrainState, optimizer, scheduler) ->
              "rng": rng_state()},
             tmp / "optim_rng.pt",
         )
-        write_json_atomic(tmp / "state.json", {"config_hash": parts.config_hash, **state.to_dict()})
+        log = parts.tracker.path if parts.tracker is not None else None
+        write_json_atomic(tmp / "state.json", {"config_hash": parts.config_hash, **state.to_dict(),
+                                               "metrics_bytes": log.stat().st_size if log and log.exists() else 0})
 
 
 def load_checkpoint_state(run_dir: Path, config_hash: str) -> TrainState | None:
@@ -116,12 +118,24 @@ def load_checkpoint_state(run_dir: Path, config_hash: str) -> TrainState | None:
     if not (ckpt / "state.json").exists():
         return None
     meta = json.loads((ckpt / "state.json").read_text())
+    meta.pop("metrics_bytes", None)
     if meta.pop("config_hash") != config_hash:
         raise ConfigError(
             f"{ckpt} belongs to a run with a different configuration; use a new run directory "
             "(hydra.run.dir=...) or resume=false to start over"
         )
     return TrainState(**meta)
+
+
+def rewind_metrics_log(run_dir: Path) -> None:
+    """Cut metrics.jsonl back to what was logged when checkpoints/last was written: the steps a
+    killed run logged after its last checkpoint are trained, and logged, again after the resume."""
+    log = run_dir / "metrics.jsonl"
+    meta = json.loads((checkpoint_dir(run_dir) / "state.json").read_text())
+    size = meta.get("metrics_bytes")
+    if size is not None and log.exists() and log.stat().st_size > size:
+        with open(log, "r+b") as f:
+            f.truncate(size)
 
 
 def load_optim_rng(resume_from: Path, optimizer, scheduler) -> None:

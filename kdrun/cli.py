@@ -20,6 +20,10 @@ from kdrun.errors import UserError
 
 register_configs()
 
+# Whether the task function was entered (an error before it is Hydra's: composition, the run
+# directory) and whether a sweep job failed with a user error: they decide the exit status.
+_STATUS = {"started": False, "user_error": False}
+
 
 @hydra.main(version_base="1.3", config_path="pkg://kdrun.conf", config_name="config")
 def _main(cfg: DictConfig) -> float | None:
@@ -31,37 +35,19 @@ def _main(cfg: DictConfig) -> float | None:
     if multirun and cfg.logger.group is None:
         with open_dict(cfg):  # group the jobs of one sweep together in wandb
             cfg.logger.group = Path(hc.sweep.dir).name
+    _STATUS["started"] = True
     _setup_submitit_distributed()
     try:
-        summary = run(cfg, run_dir)
+        summary = run(cfg, run_dir)  # writes error.json when it fails
     except UserError as e:  # fixable from the message alone; anything else is a bug and keeps its traceback
-        msg = str(e)
-        print(f"kdrun: error: {msg}", file=sys.stderr)
-        if multirun:
-            _record_failure(run_dir, e, msg)
+        print(f"kdrun: error: {e}", file=sys.stderr)
+        if multirun:  # the other jobs of the sweep still run; the sweep's exit status is 2
+            _STATUS["user_error"] = True
             raise
         sys.exit(2)
-    except Exception as e:
-        if multirun:
-            _record_failure(run_dir, e, str(e))
-        raise
     metrics = next(iter(summary["student"]["metrics"].values()))
     # The return value is what sweepers (Optuna) optimise: the task's main dev metric.
     return float(metrics[cfg.task.main_metric])
-
-
-def _record_failure(run_dir: Path, error: BaseException, message: str) -> None:
-    """A failed sweep job leaves error.json (kdrun-report lists it); a rerun retries the job."""
-    import traceback
-
-    from kdrun.cache import write_json_atomic
-
-    try:
-        write_json_atomic(run_dir / "error.json", {
-            "type": type(error).__name__, "message": message,
-            "traceback": "".join(traceback.format_exception(error))[-8000:]})
-    except OSError:
-        pass
 
 
 def _setup_submitit_distributed() -> None:
@@ -90,15 +76,44 @@ def _command_overrides(argv: list[str]) -> list[str]:
     return list(args.overrides or [])
 
 
+def _exit_for(error: Exception, full_traceback: bool) -> None:
+    """Report an error that escaped Hydra and exit with kdrun's status: 2 for a mistake the user
+    fixes (a bad override, an unwritable run directory, a user error in a sweep job), 1 for anything
+    else (a bug: its traceback is printed)."""
+    import traceback
+
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    before_task = not _STATUS["started"]  # Hydra's own work: composing the config, the run directory
+    user = _STATUS["user_error"] or (before_task and isinstance(error, (OSError, HydraException,
+                                                                        OmegaConfBaseException)))
+    if full_traceback or not user:
+        traceback.print_exc()
+    elif isinstance(error, OSError) and not isinstance(error, HydraException) and error.filename:
+        print(f"kdrun: error: cannot write the run directory: {error.strerror}: {error.filename}; choose a "
+              "writable place with hydra.run.dir=... (hydra.sweep.dir=... with -m) or KDRUN_OUTPUT_DIR=...",
+              file=sys.stderr)
+    elif not _STATUS["user_error"]:  # as Hydra prints them; a sweep job printed its own error already
+        print(str(error), file=sys.stderr)
+        if isinstance(error.__cause__, OmegaConfBaseException):
+            print(str(error.__cause__), file=sys.stderr)
+    sys.exit(2 if user else 1)
+
+
 def main() -> None:
-    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    full_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises; _exit_for reports
     if "KDRUN_SWEEP_NAME" not in os.environ:
         # Jobs (also submitit's subprocesses and SLURM jobs, which inherit the environment) name the
         # multirun directory from the command line, so a rerun of the same sweep finds it again.
         from kdrun.config import sweep_name
 
         os.environ["KDRUN_SWEEP_NAME"] = sweep_name(_command_overrides(sys.argv[1:]))
-    _main()
+    try:
+        _main()
+    except Exception as e:
+        _exit_for(e, full_traceback)
 
 
 __all__ = ["main", "OmegaConf"]

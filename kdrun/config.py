@@ -313,8 +313,10 @@ class KdrunConfig:
     launcher: Dict[str, Any] = field(default_factory=dict)
     # Where fine-tuned teachers and other expensive, deterministic artefacts are cached.
     cache_dir: str = "${oc.env:KDRUN_CACHE_DIR,${oc.env:HOME,.}/.cache/kdrun}"
-    # Continue from the checkpoints in the run directory when they exist (true), or start over.
-    resume: bool = True
+    # Continue from the checkpoints in the run directory when they exist (true), or start over
+    # (false). ``wait``: like true, but wait for another process using the run directory to end
+    # instead of failing at once.
+    resume: Any = True
     output_dir: Optional[str] = None
     run_name: Optional[str] = None
 

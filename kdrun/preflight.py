@@ -31,6 +31,8 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _plan_augmentation(cfg, plans)
+    if cfg.resume not in (True, False, "wait"):
+        raise ConfigError(f"resume={cfg.resume!r} must be true, false or wait")
     if cfg.train.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"train.device='{cfg.train.device}' must be auto, cpu or cuda")
     if cfg.train.precision not in ("auto", "no", "fp32", "bf16", "fp16"):

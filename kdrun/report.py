@@ -118,8 +118,12 @@ def _report_text(t: dict[str, Any], problems: list[Problem], scale: float) -> st
     if t["sig_lines"]:
         parts.append(f"Paired comparisons with {BASELINE_OBJECTIVE} (Δ ×{scale:g}, row minus baseline):\n"
                      + "\n".join(t["sig_lines"]))
-    if problems:
-        parts.append("Jobs without results:\n" + "\n".join(f"- [{p.status}] {p.path}: {p.detail}" for p in problems))
+    missing = [p for p in problems if p.status != "duplicate"]
+    if missing:
+        parts.append("Jobs without results:\n" + "\n".join(f"- [{p.status}] {p.path}: {p.detail}" for p in missing))
+    dups = [p for p in problems if p.status == "duplicate"]
+    if dups:
+        parts.append("Duplicate runs (counted once):\n" + "\n".join(f"- {p.path}: {p.detail}" for p in dups))
     return "\n\n".join(parts) + "\n"
 
 
@@ -188,8 +192,13 @@ def report(paths: list[Path], out: Path, row_keys: list[str] | None = None, scal
     t = build_table(runs, list(row_keys or []), scale, alpha)
     out.mkdir(parents=True, exist_ok=True)
     text = _report_text(t, problems, scale)
-    print(f"# kdrun report: {len(runs)} finished runs" + (f", {len(problems)} without results" if problems else ""),
-          file=stream)
+    n_dup = sum(p.status == "duplicate" for p in problems)
+    n_missing = len(problems) - n_dup
+    print(f"# kdrun report: {len(runs)} finished runs" + (f", {n_missing} without results" if n_missing else "")
+          + (f", {n_dup} duplicates counted once" if n_dup else ""), file=stream)
+    if n_dup:
+        print(f"kdrun-report: warning: {n_dup} run(s) repeat the setting and seed of another run and are "
+              "counted once (listed under 'Duplicate runs')", file=sys.stderr)
     print(f"\nDev scores ×{scale:g}, mean ± std over seeds (best setting per task by mean dev score; "
           "* = average over the tasks present).\n", file=stream)
     print(text, file=stream, end="")

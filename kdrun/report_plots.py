@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -31,22 +29,13 @@ def _pyplot():
 def _save(fig, path: Path) -> Path:
     """Save through a temporary sibling file and a rename, so a figure is never half-written; the
     format comes from the file's suffix (PNG without one)."""
+    from kdrun.cache import atomic_file
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         fig.tight_layout()
-        with os.fdopen(fd, "wb") as f:
+        with atomic_file(path, "wb") as f:
             fig.savefig(f, format=path.suffix.lstrip(".").lower() or "png", dpi=110)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as savefig(path) would create it (mkstemp makes it 0600)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     finally:
         _pyplot().close(fig)
     return path

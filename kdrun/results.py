@@ -40,7 +40,7 @@ class RunRecord:
 @dataclass
 class Problem:
     path: Path
-    status: str  # "failed" | "incomplete"
+    status: str  # "failed" | "incomplete" | "duplicate"
     detail: str
 
 
@@ -102,7 +102,10 @@ def _problem(job: Path) -> Problem:
     if err.exists():
         try:
             info = json.loads(err.read_text())
-            return Problem(job, "failed", f"{info.get('type')}: {info.get('message', '')}".strip()[:300])
+            where = ", ".join(f"{k} {info[k]}" for k in ("phase", "stage", "step") if info.get(k) is not None)
+            detail = f"{info.get('type')}: {info.get('message', '')}".strip()[:300]
+            reached = f" (reached: {where}; see error.json and cli.log)" if where else ""
+            return Problem(job, "failed", detail + reached)
         except (OSError, json.JSONDecodeError):
             return Problem(job, "failed", "error.json unreadable")
     state = job / "checkpoints" / "last" / "state.json"
@@ -139,7 +142,32 @@ def collect(paths: list[Path], row_keys: Iterable[str] = ()) -> tuple[list[RunRe
                 if job.resolve() not in seen and not (job / "results.json").exists():
                     seen.add(job.resolve())
                     problems.append(_problem(job))
-    return runs, problems
+    runs, duplicates = drop_duplicates(runs)
+    return runs, problems + duplicates
+
+
+def _identity(r: RunRecord) -> str:
+    """A run's setting and seed: what makes two runs the same measurement."""
+    setting = {k: v for k, v in r.flat.items() if not _ignored(k)}
+    return json.dumps([r.task, r.objective, r.student, r.row_extra, r.seed, setting], sort_keys=True, default=str)
+
+
+def drop_duplicates(runs: list[RunRecord]) -> tuple[list[RunRecord], list[Problem]]:
+    """Count each (setting, seed) once: the most recent run is kept, the others are reported.
+
+    The same command rerun into another directory (or a sweep copied elsewhere) would otherwise
+    enter a mean twice, as "n=2 seeds [42, 42]" with a spurious std of 0."""
+    by_id: dict[str, list[RunRecord]] = defaultdict(list)
+    for r in runs:
+        by_id[_identity(r)].append(r)
+    kept, dups = [], []
+    for group in by_id.values():
+        group.sort(key=lambda r: (r.path / "results.json").stat().st_mtime, reverse=True)
+        kept.append(group[0])
+        dups += [Problem(d.path, "duplicate", f"same setting and seed {d.seed} as {group[0].path}; counted once")
+                 for d in group[1:]]
+    order = {id(r): i for i, r in enumerate(runs)}
+    return sorted(kept, key=lambda r: order[id(r)]), dups
 
 
 # ------------------------------------------------------------------------------------- the table

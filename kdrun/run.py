@@ -361,8 +361,9 @@ def _new_student(session: Session, data: RunData, teacher):
     return student
 
 
-def train_stages(session: Session, parts) -> tuple[Any, float]:
+def train_stages(session: Session, parts, progress: dict[str, Any] | None = None) -> tuple[Any, float]:
     """Run the objective's stages in order, resuming from checkpoints/last when present."""
+    from kdrun.checkpoints import rewind_metrics_log
     from kdrun.preemption import Interrupted, PreemptionGuard
     from kdrun.trainer import TrainState, checkpoint_dir, load_checkpoint_state, restore_models, run_stage
 
@@ -372,9 +373,13 @@ def train_stages(session: Session, parts) -> tuple[Any, float]:
     ckpt = checkpoint_dir(run_dir)
     if state is not None:
         restore_models(parts, ckpt)
+        if session.accelerator.is_main_process:
+            rewind_metrics_log(run_dir)
         print(f"[kdrun] resuming at stage {state.stage} step {state.global_step} from {ckpt}")
     else:
         state = TrainState()
+    if progress is not None:  # error.json says how far a failed run got
+        progress["state"] = state
     resume_from = ckpt if state.global_step > 0 or state.stage > 0 else None
     try:
         with PreemptionGuard() as guard:
@@ -444,18 +449,60 @@ def _summary(session: Session, data: RunData, models: Models, state, final_metri
 
 # -------------------------------------------------------------------------------------------- run
 
+def _is_main_rank() -> bool:
+    """Rank 0 of a data-parallel run (torchrun, accelerate, submitit tasks), or a single process."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Execute one configured run in ``run_dir``; returns the results written to results.json."""
+    """Execute one configured run in ``run_dir``; returns the results written to results.json.
+
+    The run holds ``run_dir``'s lock throughout (a second process fails at once, or waits with
+    resume=wait), copies its output into ``cli.log`` and, if it fails, writes ``error.json``.
+    """
+    from contextlib import nullcontext
+
+    from kdrun.runlock import run_dir_lock
+    from kdrun.runlog import record_failure, tee_output
+
+    main = _is_main_rank()
+    with run_dir_lock(run_dir, wait=cfg.resume == "wait") if main else nullcontext():
+        with tee_output(run_dir / "cli.log", enabled=main):
+            progress: dict[str, Any] = {"phase": "config"}
+            try:
+                return _run(cfg, run_dir, progress)
+            except Exception as e:
+                if main:
+                    state = progress.pop("state", None)
+                    if state is not None:
+                        progress.update(stage=state.stage, step=state.global_step)
+                    record_failure(run_dir, e, progress)
+                raise
+
+
+def _run(cfg: DictConfig, run_dir: Path, progress: dict[str, Any]) -> dict[str, Any]:
     t_start = time.perf_counter()
     pre = preflight(cfg)
     results_path = run_dir / "results.json"
     if results_path.exists() and cfg.resume:
         print(f"[kdrun] {results_path} exists: this run is complete (resume=false to redo it)")
-        return json.loads(results_path.read_text())
+        summary = json.loads(results_path.read_text())
+        _print_table(summary)
+        print(f"outputs: {run_dir}")
+        return summary
+    if _is_main_rank():
+        (run_dir / "error.json").unlink(missing_ok=True)  # of an earlier attempt
+    progress["phase"] = "setup"
     session = start_session(cfg, run_dir, pre, t_start)
+    progress["phase"] = "data"
     data = load_data(session)
     session.tracker = make_tracker(session)
-    models = build_student(session, data, load_teacher(session, data))
+    progress["phase"] = "teacher"
+    teacher = load_teacher(session, data)
+    progress["phase"] = "student"
+    models = build_student(session, data, teacher)
     parts = make_parts(session, data, models)
-    state, stages_s = train_stages(session, parts)
+    progress["phase"] = "stages"
+    state, stages_s = train_stages(session, parts, progress)
+    progress["phase"] = "outputs"
     return write_outputs(session, data, models, parts, state, stages_s)

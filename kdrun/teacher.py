@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
-from kdrun.cache import content_hash, file_fingerprint, get_or_build, write_json_atomic
+from kdrun.cache import content_hash, file_fingerprint, load_or_build, write_json_atomic
 from kdrun.losses import get_loss
 from kdrun.objective import StagePlan, Term
 from kdrun.optim import without_default_optim
@@ -256,9 +256,10 @@ def get_teacher(
                                                  "key": key})
         shutil.rmtree(tmp / "checkpoints", ignore_errors=True)  # only the model is kept
 
-    entry, cached = get_or_build(cache_root, "teachers", key, build)
-    meta = json.loads((entry / "teacher.json").read_text())
-    model = load_fn(str(entry / "model"))
+    def load(entry: Path) -> tuple[Any, dict[str, Any]]:
+        return load_fn(str(entry / "model")), json.loads((entry / "teacher.json").read_text())
+
+    (model, meta), entry, cached = load_or_build(cache_root, "teachers", key, build, load)
     return model, {"cached": cached, "path": str(entry / "model"), "metrics": meta["metrics"],
                    "train_seconds": meta["train_seconds"], "key": key}
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
+
+from kdrun.cache import atomic_file
 
 PANELS = (("grad_share", "gradient share"), ("grad_cos", "cos(term grad, total grad)"),
           ("weighted", "weighted value"))
@@ -61,15 +61,8 @@ def stage_starts(records: list[dict]) -> list[tuple[int, str]]:
 
 
 def save_atomic(fig, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110, format="png")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_file(out, "wb") as f:
+        fig.savefig(f, dpi=110, format="png")
 
 
 def plot(records: list[dict], out: Path, title: str) -> None:

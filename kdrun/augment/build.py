@@ -34,7 +34,7 @@ from kdrun.augment.errors import AugmentationError
 from kdrun.augment.generate import make_variants
 from kdrun.augment.vectors import MLM_EMBEDDINGS
 from kdrun.augment.words import is_replaceable, is_space, split_pieces
-from kdrun.cache import content_hash, file_fingerprint, get_or_build, write_json_atomic
+from kdrun.cache import content_hash, file_fingerprint, load_or_build, write_json_atomic
 
 # Label of an augmented classification row without a gold label (regression rows get NaN).
 NO_LABEL = -1
@@ -468,9 +468,9 @@ def get_augmented(cfg_aug: Any, raw_train: datasets.Dataset, task_name: str, cac
         write_json_atomic(tmp / "meta.json", {"task": task_name, "key": key, "key_parts": key_parts,
                                               "settings": asdict(s), "stats": stats})
 
-    entry, cached = get_or_build(cache_dir, "augmented", key, build)
-    ds = datasets.load_from_disk(str(entry / "data"))
-    meta = json.loads((entry / "meta.json").read_text())
+    (ds, meta), entry, cached = load_or_build(
+        cache_dir, "augmented", key, build,
+        lambda e: (datasets.load_from_disk(str(e / "data")), json.loads((e / "meta.json").read_text())))
     if s.copy_labels:
         label = "copied from the source row"
     else:

@@ -45,7 +45,7 @@ def tokenize_splits(
 
     import datasets
 
-    from kdrun.cache import content_hash, get_or_build
+    from kdrun.cache import content_hash, load_or_build
 
     key = content_hash({"data": cache_key, "max_seq_length": max_seq_length, "spans": spans.key,
                         "span_splits": sorted(span_splits), "version": SPANS_CACHE_VERSION})
@@ -55,8 +55,8 @@ def tokenize_splits(
         for split, ds in out.items():
             ds.save_to_disk(str(tmp / split))
 
-    entry, hit = get_or_build(cache_dir, "tokenized", key, build)
-    out = {split: datasets.load_from_disk(str(entry / split)) for split in dsd}
+    out, entry, hit = load_or_build(cache_dir, "tokenized", key, build,
+                                    lambda e: {split: datasets.load_from_disk(str(e / split)) for split in dsd})
     for split in span_splits:
         counts = [len(x) for x in out[split]["spans"]]
         few = sum(c < 3 for c in counts)

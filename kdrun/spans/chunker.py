@@ -149,7 +149,7 @@ def get_chunker(corpus_dir: str | Path | None, chunk_types: Sequence[str] = ("NP
                 cache_dir: str | Path | None = None, settings: dict[str, Any] | None = None,
                 verbose: bool = True) -> Chunker:
     """The chunker for this corpus and settings: from the cache, or trained and cached."""
-    from kdrun.cache import get_or_build, write_json_atomic
+    from kdrun.cache import load_or_build, write_json_atomic
 
     chunk_types = check_chunk_types(chunk_types)
     settings = check_settings(settings)
@@ -168,8 +168,8 @@ def get_chunker(corpus_dir: str | Path | None, chunk_types: Sequence[str] = ("NP
         if verbose:
             print(f"[kdrun] trained in {ch.info['pos_train_s'] + ch.info['chunk_train_s']:.1f}s", flush=True)
 
-    entry, _cached = get_or_build(root, "chunkers", key, build)
-    return Chunker.load(entry, key=key)
+    chunker, _entry, _cached = load_or_build(root, "chunkers", key, build, lambda e: Chunker.load(e, key=key))
+    return chunker
 
 
 def find_cached_chunker(chunk_types: Sequence[str] = ("NP", "VP", "PP"), cache_dir: str | Path | None = None,
