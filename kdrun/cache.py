@@ -109,6 +109,13 @@ def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
         shutil.rmtree(old)
 
 
+def _publish(tmp: Path, final_dir: Path) -> None:
+    for p in tmp.rglob("*"):  # some writers (safetensors) make private 0600 files whatever the umask
+        if not p.is_symlink():
+            chmod_as_created(p, directory=p.is_dir())
+    replace_dir(tmp, final_dir)
+
+
 @contextmanager
 def staging_dir(final_dir: Path) -> Iterator[Path]:
     """A temporary sibling directory that becomes ``final_dir`` only if the block succeeds."""
@@ -117,10 +124,33 @@ def staging_dir(final_dir: Path) -> Iterator[Path]:
     try:
         chmod_as_created(tmp, directory=True)
         yield tmp
-        for p in tmp.rglob("*"):  # some writers (safetensors) make private 0600 files whatever the umask
-            if not p.is_symlink():
-                chmod_as_created(p, directory=p.is_dir())
-        replace_dir(tmp, final_dir)
+        _publish(tmp, final_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def partial_dir(final_dir: Path) -> Path:
+    """Where a resumable build of ``final_dir`` keeps its work between attempts."""
+    return final_dir.with_name(f".{final_dir.name}.partial")
+
+
+@contextmanager
+def resumable_staging_dir(final_dir: Path) -> Iterator[Path]:
+    """Like :func:`staging_dir`, but the directory has a fixed name and outlives an interruption
+    (a signal, Ctrl-C, ``kill -9``), so the next attempt continues the work in it (the caller
+    holds the entry's lock). It is removed when the block fails with an error, and becomes
+    ``final_dir`` only when the block succeeds: unfinished work is never published."""
+    tmp = partial_dir(final_dir)
+    if tmp.exists():
+        print(f"[kdrun] continuing the interrupted build of {final_dir.name} in {tmp}", flush=True)
+    tmp.mkdir(parents=True, exist_ok=True)
+    chmod_as_created(tmp, directory=True)
+    try:
+        yield tmp
+        _publish(tmp, final_dir)
+    except (KeyboardInterrupt, SystemExit):  # interrupted: kept for the next attempt
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -197,10 +227,13 @@ def remove_stale_staging(kind_dir: Path, held_key: str) -> list[Path]:
     return removed
 
 
-def get_or_build(root: str | os.PathLike, kind: str, key: str, build: Callable[[Path], None]) -> tuple[Path, bool]:
+def get_or_build(root: str | os.PathLike, kind: str, key: str, build: Callable[[Path], None],
+                 resumable: bool = False) -> tuple[Path, bool]:
     """Return (entry dir, was_cached). ``build(tmp_dir)`` fills a fresh directory when missing.
 
     A complete entry is verified against its manifest first; a damaged one is moved aside and rebuilt.
+    ``resumable``: ``build`` gets the same directory again after an interrupted attempt (see
+    :func:`resumable_staging_dir`) and continues from what it finds there.
     """
     entry = Path(root).expanduser() / kind / key
     if is_complete(entry) and entry_problem(entry) is None:
@@ -215,20 +248,20 @@ def get_or_build(root: str | os.PathLike, kind: str, key: str, build: Callable[[
         elif entry.exists():  # left by a crash before the marker: rebuild
             shutil.rmtree(entry)
         remove_stale_staging(entry.parent, key)
-        with staging_dir(entry) as tmp:
+        with (resumable_staging_dir if resumable else staging_dir)(entry) as tmp:
             build(tmp)
             write_manifest(tmp)
     return entry, False
 
 
 def load_or_build(root: str | os.PathLike, kind: str, key: str, build: Callable[[Path], None],
-                  load: Callable[[Path], T]) -> tuple[T, Path, bool]:
+                  load: Callable[[Path], T], resumable: bool = False) -> tuple[T, Path, bool]:
     """:func:`get_or_build`, then ``load(entry)``; a cached entry the loader cannot read (damaged in a
     way the manifest does not show, or written before manifests) is moved aside and rebuilt once.
 
     Returns (loaded value, entry dir, was_cached).
     """
-    entry, cached = get_or_build(root, kind, key, build)
+    entry, cached = get_or_build(root, kind, key, build, resumable)
     try:
         return load(entry), entry, cached
     except UserError:
@@ -242,5 +275,5 @@ def load_or_build(root: str | os.PathLike, kind: str, key: str, build: Callable[
     with FileLock(str(entry) + ".lock"):
         if marker.exists() and marker.stat().st_mtime_ns == stamp:  # not rebuilt by another process meanwhile
             quarantine(entry, reason[:300])
-    entry, cached = get_or_build(root, kind, key, build)
+    entry, cached = get_or_build(root, kind, key, build, resumable)
     return load(entry), entry, cached

@@ -387,8 +387,7 @@ def train_stages(session: Session, parts, progress: dict[str, Any] | None = None
             for plan in session.pre["plans"][state.stage:]:
                 run_stage(parts, plan, state, resume_from)
                 resume_from = None
-    except Interrupted as e:
-        print(f"[kdrun] {e}", flush=True)
+    except Interrupted:
         session.tracker.finish()
         raise
     return state, time.perf_counter() - t0
@@ -462,6 +461,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """
     from contextlib import nullcontext
 
+    from kdrun.preemption import Interrupted
     from kdrun.runlock import run_dir_lock
     from kdrun.runlog import record_failure, tee_output
 
@@ -471,6 +471,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             progress: dict[str, Any] = {"phase": "config"}
             try:
                 return _run(cfg, run_dir, progress)
+            except Interrupted as e:  # checkpointed (student or teacher): a rerun or requeue resumes
+                print(f"[kdrun] {e}", flush=True)
+                raise
             except Exception as e:
                 if main:
                     state = progress.pop("state", None)

@@ -96,7 +96,6 @@ TRAIN_REPLACED: dict[str, Callable[[Any], Any]] = {
     "keep_best": lambda ft: ft.keep_best,
     "group_by_length": lambda ft: ft.group_by_length,
     "pad_to_max_length": lambda ft: False,  # batches padded to their longest row (padding is a benchmark knob)
-    "checkpoint_every_steps": lambda ft: None,  # an interrupted teacher is fine-tuned again from the start
     "stop_after_steps": lambda ft: None,  # the testing aid stops the student only
     "cache_teacher_logits": lambda ft: False,  # the teacher learns from gold labels: it has no teacher
     "optimizer": lambda ft: ft.optimizer,
@@ -110,6 +109,8 @@ TRAIN_NOT_IN_KEY = {
                        "depend on its batch beyond rounding (which could at most tip an exact tie between two "
                        "dev scores that select the kept teacher)",
     "num_workers": "data-loading processes; the batches and their order come from the sampler",
+    "checkpoint_every_steps": "how often the fine-tuning saves its progress (in the entry's staging directory); "
+                              "a resume continues bit for bit, so it cannot change the weights",
 }
 
 # The rest of the run's config: not in the key because none of it reaches the teacher's fine-tuning.
@@ -151,7 +152,7 @@ def fine_tune_teacher(out: Path, new_model: Callable[[], Any], cfg: Any, acceler
     from kdrun.metrics import task_metric_fn
     from kdrun.objective import Objective
     from kdrun.tracking import Tracker
-    from kdrun.trainer import RunParts, TrainState, evaluate, finalize_best, run_stage, seed_everything
+    from kdrun.trainer import RunParts, evaluate, finalize_best, seed_everything
 
     task, ft = cfg.task, cfg.teacher.finetune
     ttcfg = teacher_train_cfg(cfg.train, ft)
@@ -173,11 +174,31 @@ def fine_tune_teacher(out: Path, new_model: Callable[[], Any], cfg: Any, acceler
     )
     print(f"[kdrun] fine-tuning the teacher ({cfg.teacher.name}) on {task.name}")
     with teacher_accelerator(accelerator, ttcfg.gradient_accumulation_steps):
-        run_stage(parts, plan, TrainState(), None)
+        _train_resumably(parts, plan, out)
     finalize_best(parts)
     save_model_files(accelerator.unwrap_model(model), out / "model")
     tokenizer.save_pretrained(out / "model")
     return evaluate(parts, model)
+
+
+def _train_resumably(parts: Any, plan: StagePlan, out: Path) -> None:
+    """Train the teacher's stage, continuing from ``out/checkpoints/last`` when an earlier attempt
+    was interrupted. A signal (preemption, time limit, Ctrl-C) checkpoints at the next step and
+    stops as in the student's stages; ``out`` is the cache entry's resumable staging directory."""
+    from kdrun.preemption import PreemptionGuard
+    from kdrun.trainer import TrainState, checkpoint_dir, load_checkpoint_state, restore_models, run_stage
+
+    state, resume_from = load_checkpoint_state(out, "teacher"), None
+    if state is not None:
+        resume_from = checkpoint_dir(out)
+        restore_models(parts, resume_from)
+        print(f"[kdrun] resuming the teacher's fine-tuning at step {state.global_step} from {resume_from}",
+              flush=True)
+    with PreemptionGuard() as guard:
+        parts.guard = guard
+        if state is None or state.stage == 0:
+            run_stage(parts, plan, state or TrainState(), resume_from)
+    parts.guard = None
 
 
 @contextmanager
@@ -259,7 +280,7 @@ def get_teacher(
     def load(entry: Path) -> tuple[Any, dict[str, Any]]:
         return load_fn(str(entry / "model")), json.loads((entry / "teacher.json").read_text())
 
-    (model, meta), entry, cached = load_or_build(cache_root, "teachers", key, build, load)
+    (model, meta), entry, cached = load_or_build(cache_root, "teachers", key, build, load, resumable=True)
     return model, {"cached": cached, "path": str(entry / "model"), "metrics": meta["metrics"],
                    "train_seconds": meta["train_seconds"], "key": key}
 

@@ -289,7 +289,7 @@ def test_defaults_train_the_teacher_as_before() -> None:
     """The default config's teacher sees the train settings it saw before the teacher had its own
     (cache_teacher_logits aside, which the teacher, having no teacher, never read)."""
     cfg = compose([])
-    old = OmegaConf.merge(cfg.train, {"checkpoint_every_steps": None, "stop_after_steps": None,
+    old = OmegaConf.merge(cfg.train, {"stop_after_steps": None,
                                       "seed": cfg.teacher.finetune.seed})
     new = T.teacher_train_cfg(cfg.train, cfg.teacher.finetune)
     assert {k: v for k, v in new.items() if k != "cache_teacher_logits"} == \
