@@ -36,6 +36,9 @@ def _main(cfg: DictConfig) -> float | None:
         with open_dict(cfg):  # group the jobs of one sweep together in wandb
             cfg.logger.group = Path(hc.sweep.dir).name
     _STATUS["started"] = True
+    from kdrun.threads import register_run
+
+    register_run()  # early: jobs started together all count each other when choosing threads
     _setup_submitit_distributed()
     try:
         summary = run(cfg, run_dir)  # writes error.json when it fails
@@ -110,6 +113,10 @@ def main() -> None:
         from kdrun.config import sweep_name
 
         os.environ["KDRUN_SWEEP_NAME"] = sweep_name(_command_overrides(sys.argv[1:]))
+    if {"-m", "--multirun"} & set(sys.argv[1:]):
+        from kdrun.launching import install
+
+        install()  # submitit launchers: skip finished jobs, follow SLURM jobs without accounting
     try:
         _main()
     except Exception as e:

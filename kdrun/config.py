@@ -291,6 +291,9 @@ class TrainConfig:
     # Pad every batch to max_seq_length (the naive way; for benchmarks).
     pad_to_max_length: bool = False
     num_workers: int = 0
+    # Compute threads of this run (null: OMP_NUM_THREADS if exported, SLURM's cpus_per_task in a
+    # SLURM job, else the machine's cores divided by the kdrun runs alive on it; kdrun/threads.py).
+    num_threads: Optional[int] = None
     # Testing aid: stop (as if killed) after this many optimizer steps of the run, leaving the
     # checkpoints for a resume.
     stop_after_steps: Optional[int] = None
@@ -339,7 +342,7 @@ def _short_hash(text: str) -> str:
 
 
 # Overrides that do not change what a sweep computes (they are also left out of job directory names).
-NON_IDENTITY_KEYS = ("resume", "logger", "train.device", "hydra.", "launcher")
+NON_IDENTITY_KEYS = ("resume", "logger", "train.device", "train.num_threads", "hydra.", "launcher")
 
 
 def sweep_name(overrides: list[str]) -> str:

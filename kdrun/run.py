@@ -72,7 +72,8 @@ def run_config_hash(resolved: dict[str, Any]) -> str:
     """Identity of a run's configuration for its checkpoints: everything that changes the result
     (tracking settings, ``resume`` and the ``train.stop_after_steps`` testing aid do not)."""
     keep = {k: v for k, v in resolved.items() if k not in ("resume", "logger", "output_dir", "run_name")}
-    keep["train"] = without_default_optim({k: v for k, v in keep.get("train", {}).items() if k != "stop_after_steps"})
+    keep["train"] = without_default_optim({k: v for k, v in keep.get("train", {}).items()
+                                           if k not in ("stop_after_steps", "num_threads")})
     objective = keep.get("objective") or {}  # default optimizers leave the checkpoints of older runs valid
     if objective.get("stages"):
         keep["objective"] = {**objective, "stages": [without_default_optim(s) for s in objective["stages"]]}
@@ -177,6 +178,9 @@ class Models:
 
 def start_session(cfg: DictConfig, run_dir: Path, pre: dict[str, Any], t_start: float) -> Session:
     """Seed, build the accelerator and prepare the run directory (start over when resume=false)."""
+    from kdrun.threads import apply_threads
+
+    apply_threads(cfg.train.num_threads)  # before the first tensor operation
     from transformers.utils import logging as hf_logging
 
     from kdrun.trainer import seed_everything
@@ -464,7 +468,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from kdrun.preemption import Interrupted
     from kdrun.runlock import run_dir_lock
     from kdrun.runlog import record_failure, tee_output
+    from kdrun.threads import register_run
 
+    register_run()
     main = _is_main_rank()
     with run_dir_lock(run_dir, wait=cfg.resume == "wait") if main else nullcontext():
         with tee_output(run_dir / "cli.log", enabled=main):

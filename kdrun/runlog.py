@@ -68,6 +68,7 @@ def tee_output(path: Path, enabled: bool = True) -> Iterator[None]:
         return
     file = open(path, "a", encoding="utf-8")
     file.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()}: {' '.join(sys.argv)}\n")
+    file.flush()
     logs = _LineLog(file), _LineLog(file)
     saved = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _Tee(saved[0], logs[0]), _Tee(saved[1], logs[1])

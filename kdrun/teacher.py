@@ -109,6 +109,7 @@ TRAIN_NOT_IN_KEY = {
                        "depend on its batch beyond rounding (which could at most tip an exact tie between two "
                        "dev scores that select the kept teacher)",
     "num_workers": "data-loading processes; the batches and their order come from the sampler",
+    "num_threads": "compute threads: they change floating-point summation order only",
     "checkpoint_every_steps": "how often the fine-tuning saves its progress (in the entry's staging directory); "
                               "a resume continues bit for bit, so it cannot change the weights",
 }

@@ -5,6 +5,7 @@ preemption with requeue and two-task data-parallel jobs (tests marked ``slurm``)
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -75,3 +76,55 @@ def test_signal_during_teacher_fine_tuning_resumes_it_exactly(tmp_path: Path) ->
     ref_teacher = teacher_entries(ref / "cache")[0][0] / "model" / "model.safetensors"
     assert_same_weights(load_file(str(complete[0] / "model" / "model.safetensors")), load_file(str(ref_teacher)),
                         atol=1e-6)
+
+
+# --------------------------------------------------------------------------- compute threads
+
+_REGISTERED = """
+import sys, time
+from kdrun.threads import register_run
+register_run()
+print("registered", flush=True)
+time.sleep(60)
+"""
+
+
+def test_live_runs_are_counted_and_threads_chosen(tmp_path: Path, monkeypatch) -> None:
+    from kdrun import threads as TH
+
+    monkeypatch.setattr(TH.tempfile, "gettempdir", lambda: str(tmp_path))
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    TH._REGISTRATION.clear()
+    TH.register_run()
+    assert TH.live_runs() == 1
+    others = [subprocess.Popen([sys.executable, "-c", _REGISTERED], stdout=subprocess.PIPE, text=True, env=env)
+              for _ in range(2)]
+    try:
+        for p in others:
+            assert p.stdout.readline().strip() == "registered"
+        assert TH.live_runs() == 3
+        cores = TH.usable_cores()
+        assert TH.choose_threads(None, {}) == (max(1, cores // 3), f"{cores} cores / 3 kdrun runs on this machine")
+    finally:
+        for p in others:
+            p.kill()
+            p.wait()
+    assert TH.live_runs() == 1 and len(list(TH.registry_dir().glob("*.lock"))) == 1  # the dead ones' files go
+    assert TH.choose_threads(3, {"OMP_NUM_THREADS": "2"}) == (3, "train.num_threads")
+    assert TH.choose_threads(None, {"OMP_NUM_THREADS": "2", "SLURM_JOB_ID": "7", "SLURM_CPUS_PER_TASK": "4"}) == \
+        (2, "OMP_NUM_THREADS")
+    assert TH.choose_threads(None, {"SLURM_JOB_ID": "7", "SLURM_CPUS_PER_TASK": "4"}) == (4, "SLURM cpus_per_task")
+    TH._REGISTRATION.clear()
+
+
+def test_num_threads_is_no_part_of_a_runs_identity(run_cfg, tmp_path: Path) -> None:
+    """A requeued job on a node with other cores resumes its checkpoints and lands in the same directory."""
+    from omegaconf import OmegaConf
+
+    from kdrun.config import sweep_name
+    from kdrun.run import run_config_hash
+
+    a = OmegaConf.to_container(run_cfg(), resolve=True)
+    b = OmegaConf.to_container(run_cfg("train.num_threads=1"), resolve=True)
+    assert run_config_hash(a) == run_config_hash(b)
+    assert sweep_name(["task=toy", "seed=1,2"]) == sweep_name(["task=toy", "seed=1,2", "train.num_threads=1"])

@@ -210,6 +210,7 @@ NOT_IN_KEY_CHANGES = {
     "train.group_by_length": False,
     "train.pad_to_max_length": True,
     "train.num_workers": 1,
+    "train.num_threads": 1,
     "train.stop_after_steps": 3,
     "task.name": "renamed",
     "teacher.name": "renamed",
