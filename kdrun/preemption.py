@@ -75,6 +75,8 @@ class PreemptionGuard:
         previous = self._previous.get(signum)
         self._restore()
         if callable(previous) and previous is not signal.default_int_handler:
+            print(f"[kdrun] stopped by {signal.Signals(signum).name} after writing a checkpoint; handing over to "
+                  "the job's own handler (submitit requeues the job, which resumes from it)", flush=True)
             previous(signum, None)  # submitit's handler: requeue the job, then exit
         if signum == signal.SIGINT:
             raise KeyboardInterrupt

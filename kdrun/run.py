@@ -445,6 +445,7 @@ def _summary(session: Session, data: RunData, models: Models, state, final_metri
         "versions": _versions(),
         "git_sha": _git_sha(),
         "device": str(session.accelerator.device),
+        "processes": session.accelerator.num_processes,
         "precision": session.accelerator.mixed_precision,
         "command": " ".join(sys.argv),
     }

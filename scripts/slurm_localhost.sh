@@ -61,6 +61,8 @@ SlurmctldHost=$host
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job waits cred_expire seconds before it may start again (default 120).
+AuthInfo=cred_expire=10
 CredType=cred/munge
 MpiDefault=none
 ProctrackType=proctrack/linuxproc

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, TOY
+from tests.conftest import REPO, TINY, TOY
 from tests.test_sweeps import assert_same_weights, env_for, kdrun, weights
 
 # A teacher fine-tuning long enough (800 tiny steps) to be interrupted in the middle.
@@ -128,3 +128,132 @@ def test_num_threads_is_no_part_of_a_runs_identity(run_cfg, tmp_path: Path) -> N
     b = OmegaConf.to_container(run_cfg("train.num_threads=1"), resolve=True)
     assert run_config_hash(a) == run_config_hash(b)
     assert sweep_name(["task=toy", "seed=1,2"]) == sweep_name(["task=toy", "seed=1,2", "train.num_threads=1"])
+
+
+# ------------------------------------------------------------------------- a real one-node SLURM
+
+SLURM_SCRIPT = REPO / "scripts" / "slurm_localhost.sh"
+SLURM_JOB = ["launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.mem_gb=1",
+             "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=20", "hydra.launcher.signal_delay_s=10"]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory) -> dict[str, str]:
+    """A running one-node SLURM (started here unless one already runs); its environment."""
+    if sys.platform != "linux":
+        pytest.skip("the local SLURM needs Linux")
+    conf_dir = os.environ.get("KDRUN_SLURM_DIR", "/tmp/kdrun-slurm")
+    was_running = subprocess.run([str(SLURM_SCRIPT), "status", conf_dir], capture_output=True).returncode == 0
+    r = subprocess.run([str(SLURM_SCRIPT), "start", conf_dir], capture_output=True, text=True, timeout=900)
+    if r.returncode == 3:
+        pytest.skip(r.stderr.strip())
+    assert r.returncode == 0, r.stdout + r.stderr
+    env = {"SLURM_CONF": f"{conf_dir}/slurm.conf"}
+    yield env
+    if not was_running:
+        subprocess.run([str(SLURM_SCRIPT), "stop", conf_dir], timeout=120)
+
+
+def slurm_env(tmp: Path, slurm: dict[str, str]) -> dict[str, str]:
+    return {**env_for(tmp), **slurm}
+
+
+def sbatch_jobs(tmp: Path) -> set[str]:
+    """SLURM jobs and array tasks (``<job>_<task>``) submitit submitted under ``tmp`` (a folder each)."""
+    return {p.name for p in tmp.rglob(".submitit/*") if p.is_dir() and p.name[0].isdigit()}
+
+
+def job_log(tmp: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted(tmp.rglob(".submitit/*/*_log.out")))
+
+
+def start_sweep(tmp: Path, slurm: dict[str, str], *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kdrun", "-m", *args, *SLURM_JOB], cwd=tmp,
+                            env=slurm_env(tmp, slurm), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slurm
+def test_slurm_array_completes_reports_and_a_rerun_submits_nothing(tmp_path: Path, slurm) -> None:
+    args = [*TINY, *TOY, "objective=finetune,logit"]
+    p = start_sweep(tmp_path, slurm, *args)
+    out = p.communicate(timeout=600)[0]
+    assert p.returncode == 0, out[-3000:]
+    assert "Bypassing sacct error" not in out  # accounting is disabled on this cluster: one line, then squeue
+    assert out.count("SLURM accounting (sacct) is disabled") == 1
+    results = sorted(p for p in (tmp_path / "outputs").rglob("results.json") if "checkpoints" not in p.parts)
+    assert len(results) == 2
+    jobs = sbatch_jobs(tmp_path)
+    assert len({j for j in jobs if "_" in j}) == 2 and len({j.split("_")[0] for j in jobs}) == 1  # one array
+    from kdrun.report import collect
+
+    runs, problems = collect([tmp_path / "outputs" / "multirun"])
+    assert sorted(r.objective for r in runs) == ["finetune", "logit"] and problems == []
+
+    again = start_sweep(tmp_path, slurm, *args)
+    out = again.communicate(timeout=300)[0]
+    assert again.returncode == 0, out[-3000:]
+    assert "2 of 2 jobs already have results (reported, not submitted); submitting 0" in out
+    assert sbatch_jobs(tmp_path) == jobs
+
+
+def _preempted_sweep_equals_reference(tmp_path: Path, slurm, args: list[str], ready) -> str:
+    """Run ``args`` as a one-job SLURM sweep, send USR2 once ``ready(work)`` holds, and check the
+    requeued job ends with the metrics and weights of an uninterrupted local run. Returns the job log."""
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    kdrun(ref, *args, "hydra.run.dir=run")
+    work = tmp_path / "work"
+    work.mkdir()
+    p = start_sweep(work, slurm, *args)
+    deadline = time.time() + 300
+    while not ready(work):
+        assert time.time() < deadline and p.poll() is None, "the job never reached the point to signal"
+        time.sleep(0.2)
+    (job,) = {j.split("_")[0] for j in sbatch_jobs(work)}
+    subprocess.run(["scancel", "--signal=USR2", job], check=True, env={**os.environ, **slurm})
+    out = p.communicate(timeout=600)[0]
+    assert p.returncode == 0, out[-3000:]
+    log = job_log(work)
+    assert "stopped by SIGUSR2 after writing a checkpoint" in log, log[-3000:]
+    (res,) = [q for q in (work / "outputs").rglob("results.json") if "checkpoints" not in q.parts]
+    mine, theirs = json.loads(res.read_text()), json.loads((ref / "run" / "results.json").read_text())
+    assert mine["teacher"]["metrics"] == theirs["teacher"]["metrics"]
+    assert mine["student"]["metrics"] == theirs["student"]["metrics"]
+    assert_same_weights(weights(res.parent), weights(ref / "run"), atol=1e-6)
+    return log
+
+
+@pytest.mark.slurm
+def test_slurm_preemption_in_the_student_stage_requeues_and_resumes_exactly(tmp_path: Path, slurm) -> None:
+    args = [*TINY, *TOY, "task.toy.num_train=320", "objective=logit", "train.epochs=6",
+            "objective.stages.0.batch_size=4", "train.checkpoint_every_steps=1000000", "student.dropout=0.1"]
+
+    def training(work: Path) -> bool:
+        logs = list((work / "outputs").rglob("metrics.jsonl"))
+        return bool(logs) and logs[0].read_text().count("train/loss") >= 3
+
+    log = _preempted_sweep_equals_reference(tmp_path, slurm, args, training)
+    assert "resuming at stage 0 step" in log
+
+
+@pytest.mark.slurm
+def test_slurm_preemption_during_teacher_fine_tuning_requeues_and_resumes_exactly(tmp_path: Path, slurm) -> None:
+    def teacher_training(work: Path) -> bool:
+        return "fine-tuning the teacher" in job_log(work) and bool(teacher_entries(work / "cache")[1])
+
+    log = _preempted_sweep_equals_reference(tmp_path, slurm, SLOW_TEACHER, teacher_training)
+    assert "resuming the teacher's fine-tuning at step" in log
+
+
+@pytest.mark.slurm
+def test_slurm_two_tasks_per_node_is_one_data_parallel_job(tmp_path: Path, slurm) -> None:
+    args = [*TINY, *TOY, "objective=logit", "train.epochs=2", "student.dropout=0.0"]
+    kdrun(tmp_path, *args, f"output_dir={tmp_path}/single")
+    p = start_sweep(tmp_path, slurm, *args, "hydra.launcher.tasks_per_node=2")
+    out = p.communicate(timeout=600)[0]
+    assert p.returncode == 0, out[-3000:]
+    (res,) = [q for q in (tmp_path / "outputs").rglob("results.json") if "checkpoints" not in q.parts]
+    ddp, single = json.loads(res.read_text()), json.loads((tmp_path / "single" / "results.json").read_text())
+    assert [e["step"] for e in ddp["evals"]] == [e["step"] for e in single["evals"]]
+    assert ddp["processes"] == 2 and single["processes"] == 1
+    assert_same_weights(weights(res.parent), weights(tmp_path / "single"), atol=1e-5)
