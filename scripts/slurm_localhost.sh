@@ -109,6 +109,7 @@ start() {
     wait_idle; echo "export SLURM_CONF=$CONF"; return 0
   fi
   start_munge
+  rm -rf "$DIR/state" "$DIR/spool"  # jobs of an earlier cluster in DIR are not ours to recover
   write_conf
   export SLURM_CONF="$CONF"
   /usr/sbin/slurmctld -i -f "$CONF" || fail "slurmctld did not start"
