@@ -473,11 +473,17 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     register_run()
     main = _is_main_rank()
+    progress: dict[str, Any] = {"phase": "config"}
+    try:  # nothing is created for a config that cannot run (Hydra's run directory, if any, gets error.json)
+        pre = preflight(cfg)
+    except Exception as e:
+        if main and run_dir.is_dir():
+            record_failure(run_dir, e, progress)
+        raise
     with run_dir_lock(run_dir, wait=cfg.resume == "wait") if main else nullcontext():
         with tee_output(run_dir / "cli.log", enabled=main):
-            progress: dict[str, Any] = {"phase": "config"}
             try:
-                return _run(cfg, run_dir, progress)
+                return _run(cfg, run_dir, pre, progress)
             except Interrupted as e:  # checkpointed (student or teacher): a rerun or requeue resumes
                 print(f"[kdrun] {e}", flush=True)
                 raise
@@ -490,9 +496,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 raise
 
 
-def _run(cfg: DictConfig, run_dir: Path, progress: dict[str, Any]) -> dict[str, Any]:
+def _run(cfg: DictConfig, run_dir: Path, pre: dict[str, Any], progress: dict[str, Any]) -> dict[str, Any]:
     t_start = time.perf_counter()
-    pre = preflight(cfg)
     results_path = run_dir / "results.json"
     if results_path.exists() and cfg.resume:
         print(f"[kdrun] {results_path} exists: this run is complete (resume=false to redo it)")
