@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from transformers import BertConfig, BertForSequenceClassification
 
-from kdrun.dynabert.export import export_subnetwork, main as export_main, standard_heads
+from kdrun.dynabert.export import export_subnetwork, standard_heads
+from kdrun.dynabert.export import main as export_main
 from kdrun.dynabert.rewire import importance, rewire
 from kdrun.dynabert.subnet import (
     Shape,
@@ -29,7 +30,7 @@ from kdrun.dynabert.subnet import (
     subnetwork,
 )
 from kdrun.errors import ConfigError
-from tests.conftest import REPO, TINY, compose
+from tests.conftest import REPO, TINY, compose, load_script
 
 VOCAB = 60
 
@@ -127,7 +128,8 @@ def test_subnetwork_equals_exported_smaller_model(tmp_path: Path, impl: str, wid
     if (width, depth) != (1.0, 1.0):
         assert info["params_exported"] < sum(p.numel() for p in model.parameters())
     assert logits(model, b).shape == expected.shape  # the model is whole again after the block
-    assert len(model.bert.encoder.layer) == 4 and "forward" not in model.bert.encoder.layer[0].intermediate.dense.__dict__
+    assert len(model.bert.encoder.layer) == 4
+    assert "forward" not in model.bert.encoder.layer[0].intermediate.dense.__dict__
 
 
 def test_standard_heads() -> None:
@@ -337,3 +339,12 @@ def test_cli_run_prints_the_table_and_exports(tmp_path: Path) -> None:
         torch.testing.assert_close(logits(small, b), expected, atol=1e-5, rtol=0)
     assert small.config.num_hidden_layers == 2 and (out / "tokenizer.json").exists()
     assert export_main([str(run_dir), "width=0.5", "depth=0.6", str(out)]) == 2  # not DynaBERT's rule
+
+    # the comparison script: one table with a column per run, one plot
+    script = load_script("plot_dynabert")
+    runs = script.load([f"a={run_dir}", f"b={run_dir}"])
+    md = script.table(runs, markdown=True).splitlines()
+    assert len(md) == 2 + len(rows) and "a accuracy" in md[0] and "b f1" in md[0]
+    from kdrun.dynabert.results import plot_subnetworks
+
+    assert plot_subnetworks({k: v["subnetworks"] for k, v in runs.items()}, tmp_path / "p.png").exists()

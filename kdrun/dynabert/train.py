@@ -159,6 +159,12 @@ def start_adaptive(parts, plan, state) -> AdaptiveStage | None:
         if any(m.kind != "pairs" for m in maps.values()):
             raise ConfigError(f"objective.stages[{plan.index}].adaptive.phase=depth renumbers one-to-one layer pairs "
                               "for each depth; choose a one-to-one mapping (mapping=uniform, skip, first or last)")
+        if any(si != ti for m in maps.values() for si, ti in m.pairs):
+            raise ConfigError(
+                f"objective.stages[{plan.index}].adaptive.phase=depth distils from the student itself at full depth, "
+                "so each student layer must map to the same teacher layer; the mapping pairs "
+                f"{next(iter(maps.values())).pairs}. Start from a copy of the teacher (student=truncated "
+                "student.num_layers=<the teacher's layers>) with mapping=uniform")
         stage.teacher = _phase3_teacher(parts, plan, student, fresh)
     elif a["rewire"] and fresh:
         stage.rewiring = _rewire(parts, student, a)
