@@ -251,15 +251,14 @@ class Objective(nn.Module):
 
     def forward(
         self, stage: int, student: Features, teacher: Features | None, batch: dict[str, Any], step: int = 0,
-        weighted: dict[str, torch.Tensor] | None = None, student_layers: list[int] | None = None,
+        weighted: dict[str, torch.Tensor] | None = None, layer_pairs: list[tuple[int, int]] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Returns (weighted total, {term key: unweighted value (detached)}).
 
         ``weighted``, when given, is filled with each term's weighted value still attached to the
         graph (the summands of the total), for per-term gradients (``logger.grad_shares``).
-        ``student_layers``: the student ran with only these 0-based transformer layers (a depth
-        sub-network, kdrun/dynabert): each kept layer keeps its teacher layer, renumbered to the
-        sub-network's hidden states; pairs of dropped layers are left out.
+        ``layer_pairs``, when given, replaces the (student, teacher) pairs of every term's one-to-one
+        map for this call (kdrun/dynabert: a depth sub-network's kept layers, renumbered).
         """
         plan = self.plans[stage]
         total = student.logits.new_zeros((), dtype=torch.float32)
@@ -269,12 +268,9 @@ class Objective(nn.Module):
             map_key = self._term_map.get(key)
             lmap = self.maps[map_key] if map_key is not None else None
             pairs = lmap.pairs_at(step) if lmap is not None else []
-            if student_layers is not None:
-                pos = {0: 0, **{d + 1: j + 1 for j, d in enumerate(student_layers)}}
-                pairs = [(pos[si], ti) for si, ti in pairs if si in pos]
             ctx = LossContext(
                 num_labels=self.num_labels,
-                layer_pairs=pairs,
+                layer_pairs=layer_pairs if layer_pairs is not None and lmap is not None else pairs,
                 module=self._term_module(key),
                 step=step,
                 layer_map=lmap,

@@ -27,6 +27,7 @@ from kdrun.dynabert.subnet import (
     kept_count,
     kept_layers,
     shape_of,
+    subnet_pairs,
     subnetwork,
 )
 from kdrun.errors import ConfigError
@@ -74,6 +75,8 @@ def test_depth_rule_drops_every_kth_layer() -> None:
     assert kept_layers(4, 1.0) == [0, 1, 2, 3]
     assert kept_layers(1, 0.5) == [0]
     assert depth_step(0.8) == 5
+    assert subnet_pairs([(0, 0), (1, 2), (2, 4), (3, 6)], [0, 2]) == [(0, 0), (1, 2), (2, 6)]
+    assert subnet_pairs([(1, 1), (2, 2), (3, 3)], [0, 1]) == [(1, 1), (2, 2)]
     for bad in (0.6, 0.25, 0.0, 1.5):
         with pytest.raises(ValueError):
             depth_step(bad)
@@ -208,8 +211,9 @@ def test_adaptive_step_equals_sum_of_separate_subnetworks(objective: str, phase:
     b = batch(n=4, length=11)
     widths, depths = [1.0, 0.75, 0.5, 0.25], ([1.0] if phase == 0 else [1.0, 0.75, 0.5])
     stage = AdaptiveStage("width" if phase == 0 else "depth", widths, depths)
-    if phase == 1:  # phase 3's teacher: a frozen copy of the (phase-2) student
+    if phase == 1:  # phase 3's teacher: a frozen copy of the (phase-2) student; each layer with itself
         stage.teacher = copy.deepcopy(student).eval().requires_grad_(False)
+        stage.pairs = [(i, i) for i in range(5)]
     rec = _Recorder(student)
     parts = SimpleNamespace(accelerator=Accelerator(cpu=True), student=student, teacher=teacher.requires_grad_(False),
                             objective=objective_m, train_cfg=SimpleNamespace(max_grad_norm=0.0))

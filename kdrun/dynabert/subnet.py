@@ -172,6 +172,14 @@ def subnetwork(model: nn.Module, width: float = 1.0, depth: float = 1.0) -> Iter
             lin.__dict__.pop("forward", None)
 
 
+def subnet_pairs(pairs: list[tuple[int, int]], kept: list[int]) -> list[tuple[int, int]]:
+    """(student, teacher) hidden-state pairs for a depth sub-network keeping 0-based layers ``kept``:
+    each kept layer keeps its teacher, renumbered to the sub-network's hidden states (embeddings stay
+    0); pairs of dropped layers are left out."""
+    pos = {0: 0, **{d + 1: j + 1 for j, d in enumerate(kept)}}
+    return [(pos[s], t) for s, t in pairs if s in pos]
+
+
 # ------------------------------------------------------------------------------------ counts
 
 def count_params(shape: Shape, width: float = 1.0, depth: float = 1.0, embeddings: bool = True) -> int:

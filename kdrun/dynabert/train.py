@@ -12,8 +12,9 @@ A stage whose ``adaptive.phase`` is set trains one network at several sizes. For
 
 Gradients of all sub-networks accumulate, then one clipped optimizer step (one scheduler step).
 The loss of each sub-network is the stage's objective, so any label-free kdrun objective can be
-used; with a depth sub-network its kept layers keep their full-depth teacher layers (see
-:meth:`kdrun.objective.Objective.forward`'s ``student_layers``). At the start of a width phase (not
+used; in phase 3 the hidden state after each kept layer is matched with the teacher's after the
+same layer (:func:`kdrun.dynabert.subnet.subnet_pairs`; the embeddings with the embeddings when the
+mapping includes them), whatever the student's depth. At the start of a width phase (not
 when resuming inside it) the student is rewired (phase 1, :mod:`kdrun.dynabert.rewire`) unless
 ``adaptive.rewire=false``. Phase 3's teacher is written to ``checkpoints/`` when the stage starts so
 a resumed run distils from the same model.
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from kdrun.dynabert.plan import adaptive_of
-from kdrun.dynabert.subnet import check_model, kept_count, shape_of, subnetwork
+from kdrun.dynabert.subnet import check_model, kept_count, shape_of, subnet_pairs, subnetwork
 from kdrun.errors import ConfigError
 from kdrun.features import Features, extract_features
 
@@ -45,6 +46,9 @@ class AdaptiveStage:
     depths: list[float]
     teacher: nn.Module | None = None
     rewiring: dict[str, Any] | None = field(default=None)
+    # Phase 3: the full-depth (student, teacher) pairs, each layer with itself (the teacher is the
+    # student's own copy); None: the stage's layer map as built (phase 2 runs at full depth).
+    pairs: list[tuple[int, int]] | None = None
 
     # ------------------------------------------------------------------------------------ the step
     def step(self, parts, loop, batch: dict[str, Any], state) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -70,8 +74,9 @@ class AdaptiveStage:
                 for depth in self.depths:
                     with acc.autocast(), subnetwork(student, width, depth) as sub:
                         s_feats = extract_features(parts.student, batch, plan.student_needs)
+                        pairs = subnet_pairs(self.pairs, sub["layers"]) if self.pairs is not None else None
                         loss, values = parts.objective(plan.index, s_feats, t_feats, batch, step=state.global_step,
-                                                       student_layers=sub["layers"])
+                                                       layer_pairs=pairs)
                     _check_finite(parts, plan, state, loss, values)
                     acc.backward(loss)
                     total = total + loss.detach()
@@ -155,16 +160,14 @@ def start_adaptive(parts, plan, state) -> AdaptiveStage | None:
                           [float(d) for d in a["depths"]] if a["phase"] == "depth" else [1.0])
     fresh = state.stage_step == 0 and state.batch_in_epoch == 0
     if a["phase"] == "depth":
-        maps = parts.objective._stage_maps(plan.index)
-        if any(m.kind != "pairs" for m in maps.values()):
-            raise ConfigError(f"objective.stages[{plan.index}].adaptive.phase=depth renumbers one-to-one layer pairs "
-                              "for each depth; choose a one-to-one mapping (mapping=uniform, skip, first or last)")
-        if any(si != ti for m in maps.values() for si, ti in m.pairs):
-            raise ConfigError(
-                f"objective.stages[{plan.index}].adaptive.phase=depth distils from the student itself at full depth, "
-                "so each student layer must map to the same teacher layer; the mapping pairs "
-                f"{next(iter(maps.values())).pairs}. Start from a copy of the teacher (student=truncated "
-                "student.num_layers=<the teacher's layers>) with mapping=uniform")
+        maps = list(parts.objective._stage_maps(plan.index).values())
+        if len(maps) > 1 or any(m.kind != "pairs" for m in maps):
+            raise ConfigError(f"objective.stages[{plan.index}].adaptive.phase=depth pairs every kept layer with the "
+                              "same layer of its full-depth teacher, which needs one one-to-one map for all its terms "
+                              "(mapping=uniform, skip, first or last; no term with match_last=false)")
+        if maps:  # the teacher is the student's own copy: each layer with itself (embeddings as mapped)
+            first = 0 if any(si == 0 for si, _ in maps[0].pairs) else 1
+            stage.pairs = [(i, i) for i in range(first, shape.layers + 1)]
         stage.teacher = _phase3_teacher(parts, plan, student, fresh)
     elif a["rewire"] and fresh:
         stage.rewiring = _rewire(parts, student, a)
