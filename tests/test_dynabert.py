@@ -342,6 +342,7 @@ def test_cli_run_prints_the_table_and_exports(tmp_path: Path) -> None:
     with torch.no_grad():
         torch.testing.assert_close(logits(small, b), expected, atol=1e-5, rtol=0)
     assert small.config.num_hidden_layers == 2 and (out / "tokenizer.json").exists()
+    assert json.loads((out / "dynabert.json").read_text())["max_abs_logit_diff_random_inputs"] < 1e-5
     assert export_main([str(run_dir), "width=0.5", "depth=0.6", str(out)]) == 2  # not DynaBERT's rule
 
     # the comparison script: one table with a column per run, one plot

@@ -89,6 +89,23 @@ def export_subnetwork(model: nn.Module, width: float, depth: float) -> tuple[nn.
     return small, info
 
 
+@torch.no_grad()
+def max_logit_difference(model: nn.Module, small: nn.Module, width: float, depth: float, n: int = 8,
+                         length: int = 32, seed: int = 0) -> float:
+    """Largest |logit difference| between ``model``'s (width, depth) sub-network and ``small`` on ``n``
+    random token sequences of ``length`` (the last quarter of the second one padding)."""
+    from kdrun.dynabert.subnet import subnetwork
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000, model.config.vocab_size, (n, length), generator=g)
+    mask = torch.ones(n, length, dtype=torch.long)
+    mask[1 % n, 3 * length // 4:] = 0
+    inputs = {"input_ids": ids.to(model.device), "attention_mask": mask.to(model.device)}
+    with subnetwork(model, width, depth):
+        ref = model(**inputs).logits
+    return float((small(**inputs).logits - ref).abs().max())
+
+
 def export_run(run_dir: Path, width: float, depth: float, out_dir: Path) -> dict[str, Any]:
     """Export the (width, depth) sub-network of the run in ``run_dir`` to ``out_dir`` (module doc)."""
     from transformers import AutoModelForSequenceClassification
@@ -98,6 +115,7 @@ def export_run(run_dir: Path, width: float, depth: float, out_dir: Path) -> dict
         raise UserError(f"{src} has no config.json: give the directory of a finished kdrun run (it holds student/)")
     model = AutoModelForSequenceClassification.from_pretrained(src).eval()
     small, info = export_subnetwork(model, width, depth)
+    info["max_abs_logit_diff_random_inputs"] = max_logit_difference(model, small, width, depth)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     small.save_pretrained(out_dir)
@@ -136,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"wrote {args.out_dir}: {info['kept_heads']} of {info['standard_heads']} heads kept, FFN {info['ffn']}, "
           f"layers {info['kept_layers']}; parameters {info['params_subnetwork']:,} (sub-network), "
-          f"{info['params_exported']:,} (exported file)")
+          f"{info['params_exported']:,} (exported file); max |logit difference| to the sub-network on random "
+          f"inputs {info['max_abs_logit_diff_random_inputs']:.2e}")
     return 0
 
 

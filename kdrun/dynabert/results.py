@@ -104,6 +104,7 @@ def plot_subnetworks(runs: dict[str, dict[str, Any]], out: Path, title: str | No
                 if p[2] > best:
                     best = p[2]
                     front.append((p[i], best))
+            front.append((xs[-1][i], best))  # the frontier runs on to the largest sub-network
             ax.step([f[0] for f in front], [f[1] for f in front], where="post", color=color, label=label)
     axes[0].set_xlabel("parameters (M, embeddings included)")
     axes[1].set_xlabel(f"GFLOPs per example ({FLOPS_SEQ_LEN} tokens)")

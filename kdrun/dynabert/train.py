@@ -54,7 +54,7 @@ class AdaptiveStage:
     def step(self, parts, loop, batch: dict[str, Any], state) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Algorithm 1's inner loops for one batch; returns (sum of the sub-networks' losses, values
         to log: each term's mean over sub-networks and each sub-network's loss)."""
-        from kdrun.trainer import _check_finite, _clone_features
+        from kdrun.trainer import _average_objective_grads, _check_finite, _clone_features
 
         acc, plan = parts.accelerator, loop.plan
         student = acc.unwrap_model(parts.student)
@@ -84,6 +84,8 @@ class AdaptiveStage:
                         sums[k] = sums.get(k, 0.0) + v
                     sums[f"subnet/w{width:g}_d{depth:g}"] = loss.detach()
                     n += 1
+            if acc.sync_gradients and getattr(parts, "world_size", 1) > 1:
+                _average_objective_grads(parts.objective, parts.world_size)
             if acc.sync_gradients and parts.train_cfg.max_grad_norm:
                 acc.clip_grad_norm_(list(parts.student.parameters()) + list(parts.objective.parameters()),
                                     parts.train_cfg.max_grad_norm)
