@@ -1,7 +1,7 @@
 """Compare DynaBERT runs: every (m_w, m_d) sub-network's dev metric vs parameters and vs FLOPs.
 
     python scripts/plot_dynabert.py dynabert=outputs/.../dynabert dynabert_ckd=outputs/.../dynabert_ckd \
-        --out docs/figures/dynabert_mrpc.png [--markdown]
+        --out docs/figures/dynabert_mrpc.png [--metrics f1 accuracy] [--markdown]
 
 Each argument is ``label=<run directory>`` (a finished run: its results.json has ``subnetworks``).
 Writes the plot (Park et al. 2021's figure 3 layout) and prints one table with a column per run.
@@ -56,9 +56,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("dynabert.png"))
     p.add_argument("--title", default=None)
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument("--metrics", nargs="*", default=None, help="metrics to plot (default: the main metric)")
     args = p.parse_args()
     runs = load(args.runs)
-    plot_subnetworks({k: v["subnetworks"] for k, v in runs.items()}, args.out, title=args.title)
+    plot_subnetworks({k: v["subnetworks"] for k, v in runs.items()}, args.out, title=args.title, metrics=args.metrics)
     print(table(runs, args.markdown))
     print(f"plot: {args.out}")
 

@@ -352,4 +352,5 @@ def test_cli_run_prints_the_table_and_exports(tmp_path: Path) -> None:
     assert len(md) == 2 + len(rows) and "a accuracy" in md[0] and "b f1" in md[0]
     from kdrun.dynabert.results import plot_subnetworks
 
-    assert plot_subnetworks({k: v["subnetworks"] for k, v in runs.items()}, tmp_path / "p.png").exists()
+    assert plot_subnetworks({k: v["subnetworks"] for k, v in runs.items()}, tmp_path / "p.png",
+                            metrics=["accuracy", "f1"]).exists()

@@ -79,8 +79,9 @@ def format_table(sub: dict[str, Any]) -> str:
 
 
 def plot_subnetworks(runs: dict[str, dict[str, Any]], out: Path, title: str | None = None,
-                     split: str | None = None) -> Path:
-    """Main metric vs parameters and vs FLOPs (Park et al. 2021's figure 3), one colour per run.
+                     split: str | None = None, metrics: list[str] | None = None) -> Path:
+    """Dev metric vs parameters and vs FLOPs (Park et al. 2021's figure 3), one colour per run and
+    one row of two panels per metric (default: the main metric).
 
     ``runs`` maps a label to a run's ``results.json["subnetworks"]``. Markers: every sub-network;
     line: the run's frontier (at each size, the best metric of the sub-networks no larger)."""
@@ -89,29 +90,30 @@ def plot_subnetworks(runs: dict[str, dict[str, Any]], out: Path, title: str | No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    metric = None
-    for k, (label, sub) in enumerate(runs.items()):
-        metric = sub["main_metric"]
-        sp = split or next(iter(sub["rows"][0]["metrics"]))
-        pts = [(r["params"] / 1e6, r["flops"] / 1e9, r["metrics"][sp][metric]) for r in sub["rows"]]
-        color = f"C{k}"
-        for ax, i in ((axes[0], 0), (axes[1], 1)):
-            xs = sorted(pts, key=lambda p: (p[i], -p[2]))
-            ax.scatter([p[i] for p in xs], [p[2] for p in xs], color=color, s=18, alpha=0.6)
-            front, best = [], float("-inf")
-            for p in xs:
-                if p[2] > best:
-                    best = p[2]
-                    front.append((p[i], best))
-            front.append((xs[-1][i], best))  # the frontier runs on to the largest sub-network
-            ax.step([f[0] for f in front], [f[1] for f in front], where="post", color=color, label=label)
-    axes[0].set_xlabel("parameters (M, embeddings included)")
-    axes[1].set_xlabel(f"GFLOPs per example ({FLOPS_SEQ_LEN} tokens)")
-    for ax in axes:
-        ax.set_ylabel(f"dev {metric}")
-        ax.grid(alpha=0.3)
-        ax.legend()
+    first = next(iter(runs.values()))
+    metrics = metrics or [first["main_metric"]]
+    fig, axes = plt.subplots(len(metrics), 2, figsize=(11, 4.2 * len(metrics)), squeeze=False)
+    for row, metric in enumerate(metrics):
+        for k, (label, sub) in enumerate(runs.items()):
+            sp = split or next(iter(sub["rows"][0]["metrics"]))
+            pts = [(r["params"] / 1e6, r["flops"] / 1e9, r["metrics"][sp][metric]) for r in sub["rows"]]
+            color = f"C{k}"
+            for ax, i in ((axes[row][0], 0), (axes[row][1], 1)):
+                xs = sorted(pts, key=lambda p: (p[i], -p[2]))
+                ax.scatter([p[i] for p in xs], [p[2] for p in xs], color=color, s=18, alpha=0.6)
+                front, best = [], float("-inf")
+                for p in xs:
+                    if p[2] > best:
+                        best = p[2]
+                        front.append((p[i], best))
+                front.append((xs[-1][i], best))  # the frontier runs on to the largest sub-network
+                ax.step([f[0] for f in front], [f[1] for f in front], where="post", color=color, label=label)
+        axes[row][0].set_xlabel("parameters (M, embeddings included)")
+        axes[row][1].set_xlabel(f"GFLOPs per example ({FLOPS_SEQ_LEN} tokens)")
+        for ax in axes[row]:
+            ax.set_ylabel(f"dev {metric}")
+            ax.grid(alpha=0.3)
+            ax.legend()
     if title:
         fig.suptitle(title)
     fig.tight_layout()
