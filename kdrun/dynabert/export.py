@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ValueError) as e:
         print(f"kdrun-export: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out_dir}: {info['kept_heads']} of {info['standard_heads']} heads kept, FFN {info['ffn']}, "
+    print(f"wrote {args.out_dir}: {info['kept_heads']} heads of size {info['head_size']} kept (written as "
+          f"{info['standard_heads']} standard heads of size {info['standard_head_size']}), FFN {info['ffn']}, "
           f"layers {info['kept_layers']}; parameters {info['params_subnetwork']:,} (sub-network), "
           f"{info['params_exported']:,} (exported file); max |logit difference| to the sub-network on random "
           f"inputs {info['max_abs_logit_diff_random_inputs']:.2e}")
