@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,15 @@ from kdrun.errors import ConfigError
 from tests.conftest import REPO, TINY, compose, load_script
 
 VOCAB = 60
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These models are tiny: one thread avoids thread start-up and spinning on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def tiny_bert(layers: int = 4, heads: int = 4, hidden: int = 32, ffn: int = 48, impl: str = "eager",
@@ -317,7 +327,7 @@ def test_cli_run_prints_the_table_and_exports(tmp_path: Path) -> None:
          "objective=dynabert_ckd", "student=truncated", "student.num_layers=4", "objective.params.widths=[1.0,0.5]",
          "objective.params.depths=[1.0,0.5]", "objective.params.width_epochs=1", "objective.params.depth_epochs=1",
          "objective.params.batch_size=16", f"cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"],
-        capture_output=True, text=True, timeout=300, cwd=REPO)
+        capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "DynaBERT sub-networks" in r.stdout and "m_w" in r.stdout
     res = json.loads((run_dir / "results.json").read_text())
