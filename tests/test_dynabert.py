@@ -364,3 +364,27 @@ def test_cli_run_prints_the_table_and_exports(tmp_path: Path) -> None:
 
     assert plot_subnetworks({k: v["subnetworks"] for k, v in runs.items()}, tmp_path / "p.png",
                             metrics=["accuracy", "f1"]).exists()
+
+
+def test_interrupted_run_resumes_with_the_same_phase3_teacher(run_cfg, tmp_path: Path) -> None:
+    """Killed inside phase 3 and rerun, the run ends with the same student and table as an uninterrupted
+    one: the resumed stage distils from the saved phase-2 model, not from the restored student."""
+    from safetensors.torch import load_file
+
+    from kdrun.run import run
+    from kdrun.trainer import SimulatedInterrupt
+
+    args = ["task.toy.num_train=48", "task.toy.num_validation=24", "objective=dynabert", "student=truncated",
+            "student.num_layers=4", "objective.params.widths=[1.0,0.5]", "objective.params.depths=[1.0,0.5]",
+            "objective.params.batch_size=16", "objective.params.lr=1e-3", "objective.params.width_epochs=1",
+            "objective.params.depth_epochs=1", "train.checkpoint_every_steps=1"]
+    ref = run(run_cfg(*args), tmp_path / "ref")
+    rd = tmp_path / "resumed"
+    with pytest.raises(SimulatedInterrupt):
+        run(run_cfg(*args, "train.stop_after_steps=5"), rd)  # 3 steps per phase: 2 steps into phase 3
+    assert (rd / "checkpoints" / "adaptive_teacher_stage1.safetensors").exists()
+    out = run(run_cfg(*args), rd)
+    assert out["subnetworks"]["rows"] == ref["subnetworks"]["rows"]
+    wa = load_file(str(tmp_path / "ref" / "student" / "model.safetensors"))
+    wb = load_file(str(rd / "student" / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
