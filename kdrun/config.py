@@ -154,6 +154,25 @@ class LossTermConfig:
 
 
 @dataclass
+class AdaptiveConfig:
+    """DynaBERT's width- and depth-adaptive training (Hou et al., 2020) for one stage (kdrun/dynabert).
+
+    ``phase``: null (an ordinary stage), ``width`` (phase 2: each batch trains every width at full
+    depth; the teacher is the run's teacher) or ``depth`` (phase 3: every width x depth; the teacher
+    is this stage's starting student, run at the same width).
+    """
+
+    phase: Optional[str] = None
+    widths: List[float] = field(default_factory=lambda: [1.0, 0.75, 0.5, 0.25])
+    depths: List[float] = field(default_factory=lambda: [1.0, 0.75, 0.5])
+    # Phase 1 at the start of a width phase: reorder heads and FFN neurons by importance.
+    rewire: bool = True
+    # Where importance is measured: an eval split (task.eval_splits) or ``train``; null = all rows.
+    importance_data: str = "validation"
+    importance_samples: Optional[int] = None
+
+
+@dataclass
 class StageConfig:
     name: str = MISSING
     losses: List[LossTermConfig] = field(default_factory=list)
@@ -176,6 +195,8 @@ class StageConfig:
     # value into a null typed node; preflight checks its keys.
     optimizer: Any = None
     scheduler: Optional[str] = None
+    # DynaBERT's adaptive width / depth training (phase: width | depth); null phase = ordinary stage.
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
 
 
 @dataclass

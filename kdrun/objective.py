@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from kdrun.dynabert.plan import check_adaptive
 from kdrun.errors import ConfigError
 from kdrun.features import Features
 from kdrun.losses import LossContext, LossSpec, Params, check_params, get_loss
@@ -99,6 +100,7 @@ def plan_stages(objective_cfg: DictConfig, epochs: float | None = None, lr: floa
         for t in terms:  # repeated names get a suffix so their logged values stay apart
             if names.count(t.key) > 1:
                 t.key = f"{t.key}_{terms.index(t)}"
+        check_adaptive(st, terms, where_stage)  # DynaBERT's width / depth phases
         plans.append(StagePlan(i, st["name"], st, terms))
     return plans
 
@@ -249,12 +251,14 @@ class Objective(nn.Module):
 
     def forward(
         self, stage: int, student: Features, teacher: Features | None, batch: dict[str, Any], step: int = 0,
-        weighted: dict[str, torch.Tensor] | None = None,
+        weighted: dict[str, torch.Tensor] | None = None, layer_pairs: list[tuple[int, int]] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Returns (weighted total, {term key: unweighted value (detached)}).
 
         ``weighted``, when given, is filled with each term's weighted value still attached to the
         graph (the summands of the total), for per-term gradients (``logger.grad_shares``).
+        ``layer_pairs``, when given, replaces the (student, teacher) pairs of every term's one-to-one
+        map for this call (kdrun/dynabert: a depth sub-network's kept layers, renumbered).
         """
         plan = self.plans[stage]
         total = student.logits.new_zeros((), dtype=torch.float32)
@@ -263,9 +267,10 @@ class Objective(nn.Module):
             key = self._module_key(plan, term)
             map_key = self._term_map.get(key)
             lmap = self.maps[map_key] if map_key is not None else None
+            pairs = lmap.pairs_at(step) if lmap is not None else []
             ctx = LossContext(
                 num_labels=self.num_labels,
-                layer_pairs=lmap.pairs_at(step) if lmap is not None else [],
+                layer_pairs=layer_pairs if layer_pairs is not None and lmap is not None else pairs,
                 module=self._term_module(key),
                 step=step,
                 layer_map=lmap,

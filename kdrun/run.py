@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kdrun.cache import content_hash, staging_dir, write_json_atomic
+from kdrun.dynabert.plan import without_default_adaptive
 from kdrun.optim import without_default_optim
 from kdrun.preflight import ConfigError, preflight
 
@@ -76,7 +77,8 @@ def run_config_hash(resolved: dict[str, Any]) -> str:
                                            if k not in ("stop_after_steps", "num_threads")})
     objective = keep.get("objective") or {}  # default optimizers leave the checkpoints of older runs valid
     if objective.get("stages"):
-        keep["objective"] = {**objective, "stages": [without_default_optim(s) for s in objective["stages"]]}
+        keep["objective"] = {**objective, "stages": [without_default_adaptive(without_default_optim(s))
+                                                     for s in objective["stages"]]}
     for role in ("teacher", "student"):
         if (keep.get(role) or {}).get("finetune"):
             keep[role] = {**keep[role], "finetune": without_default_optim(keep[role]["finetune"])}
@@ -405,7 +407,12 @@ def write_outputs(session: Session, data: RunData, models: Models, parts, state,
     acc.wait_for_everyone()  # the main process may still be writing the best checkpoint
     finalize_best(parts)
     final_metrics = evaluate(parts, models.student)
+    from kdrun.dynabert.results import evaluate_subnetworks, report
+
+    subnets = evaluate_subnetworks(parts, session.pre["plans"])  # DynaBERT: every (m_w, m_d); else None
     summary = _summary(session, data, models, state, final_metrics, stages_s)
+    if subnets is not None:
+        summary["subnetworks"] = subnets
     if acc.is_main_process:
         with staging_dir(session.run_dir / "student") as tmp:
             acc.unwrap_model(models.student).save_pretrained(tmp)
@@ -414,6 +421,8 @@ def write_outputs(session: Session, data: RunData, models: Models, parts, state,
         hint = session.tracker.finish()
         write_json_atomic(session.run_dir / "results.json", summary)
         _print_table(summary)
+        if subnets is not None:
+            report(subnets, session.run_dir)
         print(f"outputs: {session.run_dir}")
         if hint:
             print(f"wandb (offline): {hint}")

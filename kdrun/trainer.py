@@ -257,6 +257,8 @@ class StageLoop:
     # logger.grad_shares: the parameters per-term gradients are measured on (last micro-batch of a logged step).
     share_params: list[torch.Tensor] | None = None
     meter: _Meter = field(default_factory=_Meter)
+    # DynaBERT's width / depth phases (kdrun/dynabert/train.py): the stage's sub-networks and teacher.
+    adaptive: Any = None
 
 
 def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from: Path | None) -> StageLoop:
@@ -270,6 +272,9 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
         group_by_length=tcfg.group_by_length, num_workers=tcfg.num_workers, rank=parts.rank,
         world_size=parts.world_size,
     )
+    from kdrun.dynabert.train import start_adaptive
+
+    adaptive = start_adaptive(parts, plan, state)  # None unless the stage sets adaptive.phase
     batches_per_epoch = len(sampler.batches())
     steps_per_epoch = max(1, batches_per_epoch // tcfg.gradient_accumulation_steps)
     total_steps = max(1, math.ceil(cfg["epochs"] * steps_per_epoch))
@@ -278,14 +283,15 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
     if resume_from is not None:
         load_optim_rng(resume_from, optimizer, scheduler)
     table = None
-    if plan.uses_teacher and plan.teacher_logits_only and tcfg.cache_teacher_logits and cfg["data"] == "original":
+    if (plan.uses_teacher and plan.teacher_logits_only and tcfg.cache_teacher_logits and cfg["data"] == "original"
+            and adaptive is None):
         table = _teacher_logit_table(parts, plan)
     measure = getattr(parts.tracker, "grad_shares", False)
     pbar = tqdm(total=total_steps, initial=state.stage_step, desc=f"stage {plan.index}:{plan.name}",
                 disable=not acc.is_main_process, dynamic_ncols=True, mininterval=2.0)
     return StageLoop(plan, loader, sampler, optimizer, scheduler, batches_per_epoch, total_steps,
                      num_epochs=math.ceil(total_steps / steps_per_epoch), pbar=pbar, log_every=max(1, parts.log_every),
-                     teacher_table=table,
+                     teacher_table=table, adaptive=adaptive,
                      share_params=[p for p in parts.student.parameters() if p.requires_grad] if measure else None)
 
 
@@ -318,6 +324,8 @@ def train_step(parts: RunParts, loop: StageLoop, batch: dict[str, Any],
                state: TrainState) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch: forward, weighted loss, backward; at an accumulation boundary also clipping
     and the optimizer step. Returns the loss and the terms' values."""
+    if loop.adaptive is not None:  # every sub-network's loss, one update (DynaBERT)
+        return loop.adaptive.step(parts, loop, batch, state)
     acc, plan, student = parts.accelerator, loop.plan, parts.student
     with acc.accumulate(student):
         with acc.autocast():

@@ -44,7 +44,9 @@ def test_every_objective_learns_in_the_quickstart(tmp_path: Path) -> None:
     """`kdrun experiment=quickstart objective=X` for every shipped objective, as one multirun (one
     teacher fine-tune): all-MiniLM-L6-v2 learns the toy task and every 2-layer student beats chance
     (0.5 on the balanced toy dev set) clearly. mgskd needs CoNLL-2000 for its chunker."""
-    objectives = [o for o in shipped_objectives() if o != "mgskd" or CONLL.exists()]
+    # DynaBERT's objectives train 4 to 12 sub-networks per batch from a copy of the teacher; they run in
+    # tests/test_dynabert.py (a tiny CLI run) instead.
+    objectives = [o for o in shipped_objectives() if (o != "mgskd" or CONLL.exists()) and not o.startswith("dynabert")]
     assert len(objectives) >= 12
     r = kdrun("-m", "experiment=quickstart", "logger=none", f"objective={','.join(objectives)}",
               f"spans.corpus_dir={CONLL}", f"cache_dir={tmp_path}/cache", f"hydra.sweep.dir={tmp_path}/sweep",
