@@ -20,6 +20,7 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
     """Everything that can be checked before loading data or models. Returns resolved model refs."""
     from kdrun.data.sources import check_task_data
     from kdrun.metrics import check_metric_names
+    from kdrun.qa import check_qa_config
 
     try:  # unknown loss terms or parameters, bad stage settings (the loss registry raises KeyError)
         plans = plan_stages(cfg.objective, cfg.train.epochs, cfg.train.lr)
@@ -35,8 +36,9 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(f"train.device='{cfg.train.device}' must be auto, cpu or cuda")
     if cfg.train.precision not in ("auto", "no", "fp32", "bf16", "fp16"):
         raise ConfigError(f"train.precision='{cfg.train.precision}' must be auto, no, fp32, bf16 or fp16")
+    check_qa_config(cfg)  # task.kind and the question answering keys
     try:  # checked here, not at the first evaluation after the teacher has trained
-        check_metric_names(list(cfg.task.metrics), cfg.task.num_labels == 1)
+        check_metric_names(list(cfg.task.metrics), cfg.task.num_labels == 1, cfg.task.kind)
     except ValueError as e:
         raise ConfigError(f"task.metrics: {e}") from None
     if cfg.task.main_metric not in cfg.task.metrics:
