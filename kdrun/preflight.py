@@ -31,12 +31,12 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
         mapping = MappingSpec.from_config(cfg.mapping, seed=cfg.train.seed)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_qa_config(cfg)  # task.kind and the question answering keys
     _plan_augmentation(cfg, plans)
     if cfg.train.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"train.device='{cfg.train.device}' must be auto, cpu or cuda")
     if cfg.train.precision not in ("auto", "no", "fp32", "bf16", "fp16"):
         raise ConfigError(f"train.precision='{cfg.train.precision}' must be auto, no, fp32, bf16 or fp16")
-    check_qa_config(cfg)  # task.kind and the question answering keys
     try:  # checked here, not at the first evaluation after the teacher has trained
         check_metric_names(list(cfg.task.metrics), cfg.task.num_labels == 1, cfg.task.kind)
     except ValueError as e:

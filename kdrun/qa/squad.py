@@ -188,7 +188,9 @@ def check_qa_data(task: Any) -> None:
     """Preflight: the SQuAD files exist and are valid (parsing them takes well under a second)."""
     if _get(task, "data_files") or _get(task, "data_dir"):
         for path in _file_sources(task).values():
-            read_squad(path)
+            rows = read_squad(path)
+            if _get(task, "split_by_article"):
+                split_by_article(rows, int(_get(task, "split_by_article")), str(path))
         return
     from kdrun.data.sources import check_task_data
 
