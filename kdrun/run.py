@@ -269,7 +269,8 @@ def make_parts(session: Session, data: RunData, models: Models):
     cfg, acc = session.cfg, session.accelerator
     return RunParts(accelerator=acc, student=models.student, teacher=models.teacher, objective=models.objective,
                     train_data=data.train, eval_data=data.eval, collator=data.collator,
-                    metric_fn=task_metric_fn(cfg.task, data.eval), main_metric=cfg.task.main_metric, train_cfg=cfg.train,
+                    metric_fn=task_metric_fn(cfg.task, data.eval), main_metric=cfg.task.main_metric,
+                    train_cfg=cfg.train,
                     tracker=session.tracker, run_dir=session.run_dir, config_hash=session.config_hash,
                     log_every=cfg.logger.log_every_steps, rank=acc.process_index, world_size=acc.num_processes,
                     augmented_data=data.augmented)

@@ -37,7 +37,8 @@ def make_squad(n_articles: int = 4, paragraphs: int = 2, seed: int = 0) -> dict:
             for t, c, p in facts[:4]:
                 start = context.index(f"The {t} in {p} is {c}") + len(f"The {t} in {p} is ")
                 qas.append({"id": f"q{qid}", "question": f"What color is the {t} in {p}?",
-                            "answers": [{"text": c, "answer_start": start}, {"text": f"is {c}", "answer_start": start - 3}]})
+                            "answers": [{"text": c, "answer_start": start},
+                                        {"text": f"is {c}", "answer_start": start - 3}]})
                 qid += 1
             pars.append({"context": context, "qas": qas})
         data.append({"title": f"Article_{a}", "paragraphs": pars})

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from kdrun.features import Features
 from kdrun.losses.registry import LossContext, NoParams, Params, param, positive, register_loss
 
-
 # Logit given to padding positions of QA windows: exp underflows to exactly 0 (as for -inf) while
 # differences stay finite, so KL and soft CE need no special cases.
 MASKED_LOGIT = -1e9

@@ -165,7 +165,8 @@ def check_metric_names(metric_names: Sequence[str], regression: bool, kind: str 
 
         wrong = [name for name in names if name not in QA_METRICS]
         if wrong or not names:
-            raise ValueError(f"Metric(s) {wrong or names} do not apply to a question answering task; use {list(QA_METRICS)}")
+            raise ValueError(f"Metric(s) {wrong or names} do not apply to a question answering task; "
+                             f"use {list(QA_METRICS)}")
         return list(dict.fromkeys(names))
     if not names:
         raise ValueError(f"No metric requested; valid metrics are {list(VALID_METRICS)}")

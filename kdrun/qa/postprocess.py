@@ -51,7 +51,7 @@ class WindowIndex:
     references: dict[str, list[str]]  # question id -> gold answer texts
 
     @classmethod
-    def from_windows(cls, windows: Any) -> "WindowIndex":
+    def from_windows(cls, windows: Any) -> WindowIndex:
         offsets = windows["offset_mapping"]
         n = max(len(o) for o in offsets)
         starts = np.full((len(offsets), n), -1, dtype=np.int64)

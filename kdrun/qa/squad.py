@@ -87,7 +87,8 @@ def parse_squad(obj: Any, where: str) -> list[dict[str, Any]]:
                   pt, "expected a paragraph with a 'context' string and a 'qas' list")
             for q, qa in enumerate(par["qas"]):
                 qt = f"{pt}.qas[{q}]"
-                _need(isinstance(qa, dict) and isinstance(qa.get("id"), (str, int)), qt, "expected a question with an 'id'")
+                _need(isinstance(qa, dict) and isinstance(qa.get("id"), (str, int)), qt,
+                      "expected a question with an 'id'")
                 qid = str(qa["id"])
                 _need(isinstance(qa.get("question"), str), f"{where}: example {qid!r}", "no 'question' string")
                 answers = qa.get("answers")
@@ -172,8 +173,8 @@ def _hub_rows(task: Any) -> dict[str, list[dict[str, Any]]]:
     splits = _splits(task)
     if _get(task, "split_by_article"):
         splits = splits[1:2]
-        task = {"name": _task_name(task), "hub_dataset": _get(task, "hub_dataset"), "hub_config": _get(task, "hub_config"),
-                "train_split": splits[0], "eval_splits": []}
+        task = {"name": _task_name(task), "hub_dataset": _get(task, "hub_dataset"),
+                "hub_config": _get(task, "hub_config"), "train_split": splits[0], "eval_splits": []}
     for split, ds in _load_hub(task).items():
         where = f"hub dataset {_get(task, 'hub_dataset')!r} split {split!r}"
         rows = [{k: r[k] for k in ("id", "title", "context", "question", "answers")} for r in ds]
