@@ -202,6 +202,12 @@ def test_vectorised_best_spans_equal_a_double_loop(n_best: int, max_len: int) ->
             assert (float(score[i]), int(s[i]), int(e[i])) == (pytest.approx(ref[0]), ref[1], ref[2])
 
 
+def test_benchmark_script_agrees_with_the_double_loop() -> None:
+    from tests.conftest import load_script
+
+    assert load_script("bench_qa_postprocess").main(["--windows", "16", "--length", "48"]) > 0
+
+
 def test_best_span_over_windows_maps_to_text(squad_file: Path, tokenizer) -> None:
     from kdrun.qa.metric import qa_metric_fn
     from kdrun.qa.postprocess import WindowIndex, predict_answers
