@@ -121,6 +121,30 @@ def test_article_split_of_the_real_dev_file() -> None:
     assert dsd["validation"][0]["title"] == "Prime_number"
 
 
+def test_hub_layout_is_read_and_split_by_article(monkeypatch, squad_file: Path) -> None:
+    import datasets
+
+    from kdrun.data import sources
+    from kdrun.qa.squad import load_qa_data, read_squad
+
+    rows = read_squad(squad_file)
+    hub = datasets.Dataset.from_list(rows)  # the hub's squad layout: id, title, context, question, answers
+    asked = []
+
+    def fake_hub(task):
+        asked.append((task["train_split"], list(task["eval_splits"])))
+        return {s: hub for s in [task["train_split"], *task["eval_splits"]]}
+
+    monkeypatch.setattr(sources, "_load_hub", fake_hub)
+    task = {"name": "squad", "kind": "qa", "hub_dataset": "squad", "train_split": "train",
+            "eval_splits": ["validation"]}
+    dsd = load_qa_data({**task, "split_by_article": 3})
+    assert asked == [("validation", [])]  # only the eval split is read
+    assert len(dsd["train"]) == 24 and len(dsd["validation"]) == 8
+    assert dsd["validation"][0]["answers"] == rows[24]["answers"]
+    assert [len(d) for d in load_qa_data(task).values()] == [32, 32]
+
+
 # ----------------------------------------------------------------------------------------- windows
 
 def test_windows_labels_offsets_and_stride(squad_file: Path, tokenizer) -> None:
