@@ -67,6 +67,17 @@ class TaskConfig:
     max_eval_samples: Optional[int] = None
     sample_seed: int = 42
     toy: Optional[ToyConfig] = None
+    # ``classification`` (sentence / sentence-pair classification and regression) or ``qa``
+    # (extractive question answering on SQuAD v1.1 JSON, kdrun/qa/; the keys below are for qa only).
+    kind: str = "classification"
+    # qa: split the eval split's file by article (the first N articles train, the rest evaluate);
+    # null = separate train and eval files. max_train_samples / max_eval_samples count questions.
+    split_by_article: Optional[int] = None
+    # qa: overlap (tokens) between consecutive windows of a context longer than max_seq_length.
+    doc_stride: int = 128
+    # qa: longest predicted answer (tokens) and the start / end candidates tried per window.
+    max_answer_length: int = 30
+    n_best: int = 20
 
 
 @dataclass

@@ -90,7 +90,7 @@ class AttentionInputs:
 class Features:
     """What one forward pass exposes.
 
-    logits: (B, C) class logits, or (B, 1) regression outputs.
+    logits: (B, C) class logits, or (B, 1) regression outputs, or (B, n, 2) start / end logits (QA).
     hidden_states: tuple of L+1 tensors (B, n, d); index 0 is the embedding output.
     attentions: tuple of L tensors (B, h, n, n) of attention probabilities (eager attention only).
     attention_mask: (B, n), 1 for real tokens.
@@ -131,6 +131,14 @@ class Features:
     def qkv(self) -> AttentionInputs:
         """Per-layer Q, K, V projections (see :class:`AttentionInputs`)."""
         return self._attention_inputs("qkv")
+
+
+def output_logits(out: Any) -> torch.Tensor:
+    """A model output's logits: (B, C) of a classifier; (B, n, 2) start / end logits of a
+    question-answering head (task.kind=qa)."""
+    if getattr(out, "logits", None) is None and getattr(out, "start_logits", None) is not None:
+        return torch.stack((out.start_logits, out.end_logits), dim=-1)
+    return out.logits
 
 
 def model_inputs(batch: Mapping[str, torch.Tensor], model: nn.Module | None = None) -> dict[str, torch.Tensor]:
@@ -190,7 +198,7 @@ def extract_features(model: nn.Module, batch: Mapping[str, Any], needs: frozense
     if capture:
         extra["attention_inputs"] = AttentionInputs(store["q"], store["k"], store["v"], *meta, bias=store["bias"])
     return Features(
-        logits=out.logits,
+        logits=output_logits(out),
         attention_mask=batch["attention_mask"],
         hidden_states=tuple(out.hidden_states) if "hidden_states" in needs else None,
         attentions=attentions,

@@ -116,9 +116,26 @@ def _attn_impl(need_attentions: bool, family: str = "bert") -> str:
     return "eager" if need_attentions or (adaptor is not None and not adaptor.sdpa) else "sdpa"
 
 
-def load_classifier(ref: str, num_labels: int, need_attentions: bool = False, dropout: float | None = None):
-    """A sequence classifier from a resolved reference; the head is new when the checkpoint has none."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+# The transformers auto class of each head: a task's ``kind`` picks it (head_of).
+HEADS = {"classification": "AutoModelForSequenceClassification", "qa": "AutoModelForQuestionAnswering"}
+
+
+def head_of(task: Any) -> str:
+    """The model head a task config needs: ``qa`` (start / end logits per token) or ``classification``."""
+    return "qa" if getattr(task, "kind", "classification") == "qa" else "classification"
+
+
+def _auto_class(head: str):
+    import transformers
+
+    return getattr(transformers, HEADS[head])
+
+
+def load_classifier(ref: str, num_labels: int, need_attentions: bool = False, dropout: float | None = None,
+                    head: str = "classification"):
+    """A sequence classifier (``head="qa"``: a question-answering model) from a resolved reference;
+    the head is new when the checkpoint has none."""
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     config = AutoConfig.from_pretrained(ref, num_labels=num_labels)
@@ -131,7 +148,7 @@ def load_classifier(ref: str, num_labels: int, need_attentions: bool = False, dr
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the "newly initialized classifier" notice is expected here
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(
+        model = _auto_class(head).from_pretrained(
             ref, config=config, attn_implementation=_attn_impl(need_attentions, config.model_type)
         )
     finally:
@@ -140,16 +157,15 @@ def load_classifier(ref: str, num_labels: int, need_attentions: bool = False, dr
 
 
 def random_classifier(cfg: Any, vocab_size: int, num_labels: int, need_attentions: bool = False,
-                      pad_token_id: int = 0):
-    """A freshly initialised classifier of family ``cfg.family`` (default BERT) and the sizes in a
-    ``random`` model config; ``pad_token_id`` is the shared tokenizer's (RoBERTa's positions depend on it)."""
-    from transformers import AutoModelForSequenceClassification
-
+                      pad_token_id: int = 0, head: str = "classification"):
+    """A freshly initialised classifier (or ``head="qa"`` model) of family ``cfg.family`` (default BERT)
+    and the sizes in a ``random`` model config; ``pad_token_id`` is the shared tokenizer's (RoBERTa's
+    positions depend on it)."""
     config = random_config(cfg, vocab_size, num_labels, pad_token_id)
     if num_labels == 1:
         config.problem_type = "regression"
     config._attn_implementation = _attn_impl(need_attentions, config.model_type)
-    return AutoModelForSequenceClassification.from_config(config)
+    return _auto_class(head).from_config(config)
 
 
 def encoder_layers(model: nn.Module) -> nn.ModuleList:

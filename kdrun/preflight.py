@@ -20,6 +20,7 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
     """Everything that can be checked before loading data or models. Returns resolved model refs."""
     from kdrun.data.sources import check_task_data
     from kdrun.metrics import check_metric_names
+    from kdrun.qa import check_qa_config
 
     try:  # unknown loss terms or parameters, bad stage settings (the loss registry raises KeyError)
         plans = plan_stages(cfg.objective, cfg.train.epochs, cfg.train.lr)
@@ -30,6 +31,7 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
         mapping = MappingSpec.from_config(cfg.mapping, seed=cfg.train.seed)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_qa_config(cfg)  # task.kind and the question answering keys
     _plan_augmentation(cfg, plans)
     if cfg.resume not in (True, False, "wait"):
         raise ConfigError(f"resume={cfg.resume!r} must be true, false or wait")
@@ -38,7 +40,7 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
     if cfg.train.precision not in ("auto", "no", "fp32", "bf16", "fp16"):
         raise ConfigError(f"train.precision='{cfg.train.precision}' must be auto, no, fp32, bf16 or fp16")
     try:  # checked here, not at the first evaluation after the teacher has trained
-        check_metric_names(list(cfg.task.metrics), cfg.task.num_labels == 1)
+        check_metric_names(list(cfg.task.metrics), cfg.task.num_labels == 1, cfg.task.kind)
     except ValueError as e:
         raise ConfigError(f"task.metrics: {e}") from None
     if cfg.task.main_metric not in cfg.task.metrics:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -98,6 +98,23 @@ def load_run(path: Path, row_keys: Iterable[str] = ()) -> RunRecord:
                      row_extra=tuple(f"{k}={flat.get(k)}" for k in row_keys))
 
 
+# Question answering runs (task.kind=qa) get one column per metric, as the papers report SQuAD.
+QA_COLUMNS = {"exact_match": "EM", "f1": "F1"}
+
+
+def load_runs(path: Path, row_keys: Iterable[str] = ()) -> list[RunRecord]:
+    """The records of one finished run: its main metric, or for a question answering run one record
+    per metric in ``task.metrics`` (task ``squad EM``, ``squad F1``)."""
+    rec = load_run(path, row_keys)
+    res = json.loads(path.read_text())
+    task_cfg = (res.get("config") or {}).get("task") or {}
+    if task_cfg.get("kind") != "qa":
+        return [rec]
+    metrics = next(iter(res["student"]["metrics"].values()))
+    return [replace(rec, task=f"{rec.task} {QA_COLUMNS.get(m, m)}", metric=m, value=float(metrics[m]))
+            for m in task_cfg.get("metrics", [rec.metric]) if m in metrics]
+
+
 def _problem(job: Path) -> Problem:
     err = job / "error.json"
     if err.exists():
@@ -134,7 +151,7 @@ def collect(paths: list[Path], row_keys: Iterable[str] = ()) -> tuple[list[RunRe
                 continue
             seen.add(r.parent.resolve())
             try:
-                runs.append(load_run(r, row_keys))
+                runs.extend(load_runs(r, row_keys))
             except (KeyError, StopIteration, json.JSONDecodeError, TypeError, ValueError) as e:
                 problems.append(Problem(r.parent, "failed", f"unreadable results.json ({type(e).__name__}: {e})"))
         if root.is_dir():  # Hydra job directories (.hydra/) that have no results.json

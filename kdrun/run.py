@@ -52,7 +52,7 @@ def data_fingerprint(dsd) -> str:
     for split in sorted(dsd):
         ds = dsd[split]
         h.update(f"[{split}:{len(ds)}]".encode())
-        for col in ("text_a", "text_b", "label"):
+        for col in ("text_a", "text_b", "label", "question", "context", "answers"):  # (the last three: QA)
             if col in ds.column_names:
                 h.update(json.dumps(list(ds[col])).encode())
     return h.hexdigest()[:16]
@@ -218,9 +218,15 @@ def load_data(session: Session) -> RunData:
         from kdrun.spans import span_extractor_for
 
         span_extractor = span_extractor_for(cfg.spans, tokenizer, cfg.cache_dir)
-    tokenized = tokenize_splits(raw, tokenizer, task.max_seq_length, spans=span_extractor,
-                                span_splits=[task.train_split], cache_dir=cfg.cache_dir,
-                                cache_key=f"{data_hash}-{tok_hash}")
+    if task.kind == "qa":  # question + context windows (kdrun/qa/windows.py)
+        from kdrun.qa.windows import tokenize_qa_splits
+
+        tokenized = tokenize_qa_splits(raw, tokenizer, task, spans=span_extractor, span_splits=[task.train_split],
+                                       cache_dir=cfg.cache_dir, cache_key=f"{data_hash}-{tok_hash}")
+    else:
+        tokenized = tokenize_splits(raw, tokenizer, task.max_seq_length, spans=span_extractor,
+                                    span_splits=[task.train_split], cache_dir=cfg.cache_dir,
+                                    cache_key=f"{data_hash}-{tok_hash}")
     pad_to = task.max_seq_length if cfg.train.pad_to_max_length else None
     data = RunData(data_hash, tokenizer, tok_hash, tokenized[task.train_split],
                    {s: tokenized[s] for s in task.eval_splits},
@@ -269,7 +275,8 @@ def make_parts(session: Session, data: RunData, models: Models):
     cfg, acc = session.cfg, session.accelerator
     return RunParts(accelerator=acc, student=models.student, teacher=models.teacher, objective=models.objective,
                     train_data=data.train, eval_data=data.eval, collator=data.collator,
-                    metric_fn=task_metric_fn(cfg.task), main_metric=cfg.task.main_metric, train_cfg=cfg.train,
+                    metric_fn=task_metric_fn(cfg.task, data.eval), main_metric=cfg.task.main_metric,
+                    train_cfg=cfg.train,
                     tracker=session.tracker, run_dir=session.run_dir, config_hash=session.config_hash,
                     log_every=cfg.logger.log_every_steps, rank=acc.process_index, world_size=acc.num_processes,
                     augmented_data=data.augmented)
@@ -285,26 +292,26 @@ def load_teacher(session: Session, data: RunData) -> Models:
     cfg, acc, refs = session.cfg, session.accelerator, session.pre["refs"]
     if not session.pre["uses_teacher"]:
         return Models(None, {}, time.perf_counter() - t0)
-    tc, num_labels = cfg.teacher, cfg.task.num_labels
+    tc, num_labels, head = cfg.teacher, cfg.task.num_labels, M.head_of(cfg.task)
     need_attn = "attentions" in session.needs("teacher")
     if tc.checkpoint:
-        teacher = acc.prepare_model(M.load_classifier(refs["teacher"], num_labels, need_attentions=need_attn),
-                                    evaluation_mode=True)
+        teacher = acc.prepare_model(M.load_classifier(refs["teacher"], num_labels, need_attentions=need_attn,
+                                                      head=head), evaluation_mode=True)
         info = {"cached": False, "path": refs["teacher"], "source": "teacher.checkpoint",
                 "metrics": evaluate(make_parts(session, data, Models(None, {}, 0.0, student=teacher)), teacher)}
     else:
         def new_teacher():
             if tc.kind == "random":
                 return M.random_classifier(tc, len(data.tokenizer), num_labels,
-                                           pad_token_id=data.tokenizer.pad_token_id)
-            return M.load_classifier(refs["teacher"], num_labels, dropout=tc.dropout)
+                                           pad_token_id=data.tokenizer.pad_token_id, head=head)
+            return M.load_classifier(refs["teacher"], num_labels, dropout=tc.dropout, head=head)
 
         key = teacher_cache_key(cfg, refs.get("teacher", "random"), data.data_hash, data.tok_hash,
                                 acc.mixed_precision)
         teacher, info = get_teacher(
             cfg.cache_dir, key,
             lambda out: fine_tune_teacher(out, new_teacher, cfg, acc, data.train, data.eval, data.tokenizer),
-            lambda path: M.load_classifier(path, num_labels, need_attentions=need_attn),
+            lambda path: M.load_classifier(path, num_labels, need_attentions=need_attn, head=head),
         )
         teacher = acc.prepare_model(teacher, evaluation_mode=True)
         print(f"[kdrun] teacher {'from cache' if info['cached'] else 'trained and cached'}: {info['path']}")
@@ -351,15 +358,15 @@ def _new_student(session: Session, data: RunData, teacher):
                 raise ConfigError("student=truncated with source=teacher needs a teacher")
             base = session.accelerator.unwrap_model(teacher)
         else:
-            base = M.load_classifier(refs["student"], cfg.task.num_labels)
+            base = M.load_classifier(refs["student"], cfg.task.num_labels, head=M.head_of(cfg.task))
         student = M.truncate_layers(base, sc.num_layers)
         for p in student.parameters():
             p.requires_grad_(True)
         return student
     if sc.kind == "random":
         return M.random_classifier(sc, len(data.tokenizer), cfg.task.num_labels,
-                                   pad_token_id=data.tokenizer.pad_token_id)
-    student = M.load_classifier(refs["student"], cfg.task.num_labels, dropout=sc.dropout)
+                                   pad_token_id=data.tokenizer.pad_token_id, head=M.head_of(cfg.task))
+    student = M.load_classifier(refs["student"], cfg.task.num_labels, dropout=sc.dropout, head=M.head_of(cfg.task))
     if M.tokenizer_fingerprint(M.load_tokenizer(refs["student"])) != data.tok_hash:
         raise ConfigError(
             f"student '{sc.name}' and teacher '{cfg.teacher.name}' use different vocabularies; "

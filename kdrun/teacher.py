@@ -69,12 +69,20 @@ TASK_KEYED = {
     "eval_splits": "the first one selects the kept teacher; the cached dev metrics are of these splits",
     "main_metric": "selects the kept teacher",
     "metrics": "the cached dev metrics are these (they do not change the weights)",
+    # question answering only (task.kind=qa): left out of the key of classification teachers, so
+    # their entries cached before these keys existed stay valid
+    "kind": "the model head (sequence classification or start / end positions) and the data layout",
+    "doc_stride": "QA: the overlap of the windows the teacher trains on",
+    "max_answer_length": "QA: post-processing of the cached dev metrics, which select the kept teacher",
+    "n_best": "QA: post-processing of the cached dev metrics, which select the kept teacher",
 }
+_QA_ONLY = ("kind", "doc_stride", "max_answer_length", "n_best")
 # task.*: in the key through the content hash of the loaded splits (every text and label).
 TASK_KEYED_AS_DATA = {
     name: "chooses or reads the rows; keyed as the data content hash"
     for name in ("text_columns", "label_column", "label_names", "hub_dataset", "hub_config", "data_dir",
-                 "data_files", "tsv", "max_train_samples", "max_eval_samples", "sample_seed", "toy")
+                 "data_files", "tsv", "max_train_samples", "max_eval_samples", "sample_seed", "toy",
+                 "split_by_article")
 }
 TASK_NOT_IN_KEY = {
     "name": "a label (names in error messages and run names); the data it stands for is in the data hash",
@@ -169,7 +177,7 @@ def fine_tune_teacher(out: Path, new_model: Callable[[], Any], cfg: Any, acceler
         train_data=train_data, eval_data=eval_data,
         collator=Collator(tokenizer.pad_token_id, task.num_labels == 1,
                           pad_to=task.max_seq_length if ttcfg.pad_to_max_length else None),
-        metric_fn=task_metric_fn(task), main_metric=task.main_metric, train_cfg=ttcfg,
+        metric_fn=task_metric_fn(task, eval_data), main_metric=task.main_metric, train_cfg=ttcfg,
         tracker=Tracker(out, OmegaConf.create({"name": "none"}), {}, "teacher", enabled=False),
         run_dir=out, config_hash="teacher",
     )
@@ -253,7 +261,7 @@ def teacher_cache_key(cfg: Any, resolved_ref: str, data_hash: str, tok_hash: str
                         else tc[k])
                     for k in TEACHER_KEYED if random or k not in _RANDOM_ONLY},
         "task": {k: OmegaConf.to_container(task[k], resolve=True) if OmegaConf.is_config(task[k]) else task[k]
-                 for k in TASK_KEYED},
+                 for k in TASK_KEYED if task.kind == "qa" or k not in _QA_ONLY},
         "precision": precision,
     })
 

@@ -31,7 +31,7 @@ from kdrun.checkpoints import (
 )
 from kdrun.data.pipeline import make_loader
 from kdrun.errors import UserError
-from kdrun.features import Features, extract_features, model_inputs
+from kdrun.features import Features, extract_features, model_inputs, output_logits
 from kdrun.grad_shares import grad_share_logs
 from kdrun.objective import Objective, StagePlan
 from kdrun.optim import build_optimizer, build_scheduler, stage_optim
@@ -55,7 +55,8 @@ class RunParts:
     train_data: Any
     eval_data: dict[str, Any]
     collator: Any
-    metric_fn: Callable[[dict[str, np.ndarray], np.ndarray, np.ndarray], dict[str, float]]
+    # (logits, labels) -> metrics, or a dict of them per eval split (QA: each split's windows)
+    metric_fn: Callable[[np.ndarray, np.ndarray], dict[str, float]] | dict[str, Callable]
     main_metric: str
     train_cfg: Any
     tracker: Any
@@ -109,18 +110,27 @@ def predict(model: nn.Module, data, collator, batch_size: int, accelerator,
         batch = _to_device(batch, accelerator.device)
         with accelerator.autocast():
             out = model(**model_inputs(batch, model))
-        logits.append(out.logits.float().cpu())
+        logits.append(output_logits(out).float().cpu())
         labels.append(batch["labels"].cpu())
         order.append(batch["idx"].cpu())
     if world_size > 1:
         from accelerate.utils import gather_object
 
-        mine = [(torch.cat(order), torch.cat(logits), torch.cat(labels))] if order else []
+        mine = [(torch.cat(order), _cat_logits(logits), torch.cat(labels))] if order else []
         parts = gather_object(mine)
         order, logits, labels = [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts]
     idx = torch.cat(order)
     perm = torch.argsort(idx)
-    return torch.cat(logits)[perm].numpy(), torch.cat(labels)[perm].numpy()
+    return _cat_logits(logits)[perm].numpy(), torch.cat(labels)[perm].numpy()
+
+
+def _cat_logits(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate batches of logits; per-token (B, n, 2) QA logits of batches padded to different
+    widths are padded with -inf to the widest."""
+    if parts and parts[0].dim() == 3:
+        width = max(p.shape[1] for p in parts)
+        parts = [torch.nn.functional.pad(p, (0, 0, 0, width - p.shape[1]), value=float("-inf")) for p in parts]
+    return torch.cat(parts)
 
 
 def evaluate(parts: RunParts, model: nn.Module) -> dict[str, dict[str, float]]:
@@ -128,7 +138,8 @@ def evaluate(parts: RunParts, model: nn.Module) -> dict[str, dict[str, float]]:
     for split, data in parts.eval_data.items():
         logits, labels = predict(model, data, parts.collator, parts.train_cfg.eval_batch_size, parts.accelerator,
                                  desc=f"eval {split}", world_size=parts.world_size)
-        results[split] = parts.metric_fn(logits, labels)
+        metric_fn = parts.metric_fn[split] if isinstance(parts.metric_fn, dict) else parts.metric_fn  # QA: per split
+        results[split] = metric_fn(logits, labels)
     return results
 
 
@@ -301,7 +312,10 @@ def _teacher_features(parts: RunParts, loop: StageLoop, batch: dict[str, Any]) -
     if not loop.plan.uses_teacher:
         return None
     if loop.teacher_table is not None:
-        return Features(logits=loop.teacher_table[batch["idx"]], attention_mask=batch["attention_mask"])
+        logits = loop.teacher_table[batch["idx"]]
+        if logits.dim() == 3:  # QA: the table is as wide as the widest window, the batch as its own
+            logits = logits[:, : batch["attention_mask"].shape[1]]
+        return Features(logits=logits, attention_mask=batch["attention_mask"])
     with torch.inference_mode():
         feats = extract_features(parts.teacher, batch, loop.plan.teacher_needs)
     return _clone_features(feats)

@@ -120,7 +120,21 @@ def test_changes_cover_every_keyed_setting() -> None:
     keyed = {f"teacher.{k}" for k in T.TEACHER_KEYED if k != "finetune"}
     keyed |= {f"teacher.finetune.{k}" for k in fields(C.FinetuneConfig)}
     keyed |= {f"task.{k}" for k in T.TASK_KEYED}
-    assert keyed == set(KEYED_CHANGES)
+    assert keyed == set(KEYED_CHANGES) | set(QA_KEYED_CHANGES)
+
+
+# Keyed for question answering teachers only (classification keys stay as they were).
+QA_KEYED_CHANGES = {"task.kind": "qa", "task.doc_stride": 64, "task.max_answer_length": 12, "task.n_best": 5}
+
+
+@pytest.mark.parametrize("name,value", list(QA_KEYED_CHANGES.items()))
+def test_qa_setting_changes_the_key_of_qa_teachers_only(name: str, value) -> None:
+    cfg, changed = base("task.kind=qa"), base("task.kind=qa", _override(name, value))
+    if name != "task.kind":
+        assert key(changed) != key(cfg)
+        assert key(base(_override(name, value))) == key(base())  # a classification teacher does not read it
+    else:
+        assert key(base(_override(name, value))) != key(base())
 
 
 @pytest.mark.parametrize("name,value", list(KEYED_CHANGES.items()))

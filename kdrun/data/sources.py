@@ -219,6 +219,10 @@ def check_task_data(task: Any) -> None:
     """
     if _get(task, "toy") is not None:
         return
+    if _get(task, "kind") == "qa":  # SQuAD JSON (kdrun/qa/squad.py)
+        from kdrun.qa.squad import check_qa_data
+
+        return check_qa_data(task)
     if _as_dict(_get(task, "data_files", {})):
         _check_data_files(task)
         return
@@ -241,6 +245,10 @@ def load_task_data(task: Any, seed: int | None = None) -> datasets.DatasetDict:
     ``max_train_samples`` / ``max_eval_samples`` subsets are drawn with ``task.sample_seed`` (not the
     run's seed), so runs over several seeds see the same examples; ``seed`` overrides it.
     """
+    if _get(task, "kind") == "qa":  # one row per question (kdrun/qa/squad.py)
+        from kdrun.qa.squad import load_qa_data
+
+        return load_qa_data(task, seed)
     if seed is None:
         seed = int(_get(task, "sample_seed", 42))
     splits = _splits(task)

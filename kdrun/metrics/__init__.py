@@ -154,11 +154,20 @@ def _prepare_references(references: Any, regression: bool) -> np.ndarray:
     return array.astype(np.float64) if regression else _class_ids(array, "references")
 
 
-def check_metric_names(metric_names: Sequence[str], regression: bool) -> list[str]:
-    """The requested names without duplicates; ValueError naming the valid ones for the task kind."""
+def check_metric_names(metric_names: Sequence[str], regression: bool, kind: str = "classification") -> list[str]:
+    """The requested names without duplicates; ValueError naming the valid ones for the task kind
+    (``kind="qa"``: SQuAD's exact_match and f1, kdrun/qa/metric.py)."""
     if isinstance(metric_names, str):
         metric_names = [metric_names]
     names = list(metric_names)
+    if kind == "qa":
+        from kdrun.qa import QA_METRICS
+
+        wrong = [name for name in names if name not in QA_METRICS]
+        if wrong or not names:
+            raise ValueError(f"Metric(s) {wrong or names} do not apply to a question answering task; "
+                             f"use {list(QA_METRICS)}")
+        return list(dict.fromkeys(names))
     if not names:
         raise ValueError(f"No metric requested; valid metrics are {list(VALID_METRICS)}")
     unknown = [name for name in names if name not in VALID_METRICS]
@@ -196,7 +205,17 @@ def compute_task_metrics(
     return {name: float(result[name]) for name in names}
 
 
-def task_metric_fn(task_cfg: Any) -> Callable[[Any, Any], dict[str, float]]:
-    """``(logits, labels) -> metrics`` for a task config (its ``metrics``; regression when ``num_labels`` is 1)."""
+def task_metric_fn(task_cfg: Any, eval_data: dict[str, Any] | None = None
+                   ) -> Callable[[Any, Any], dict[str, float]] | dict[str, Callable[[Any, Any], dict[str, float]]]:
+    """``(logits, labels) -> metrics`` for a task config (its ``metrics``; regression when ``num_labels`` is 1).
+
+    Question answering (``task.kind=qa``): one such function per split of ``eval_data`` (the
+    tokenised eval windows, which carry the offsets, contexts and gold answers it scores against).
+    """
+    if getattr(task_cfg, "kind", "classification") == "qa":
+        from kdrun.qa.metric import qa_metric_fn
+
+        return {split: qa_metric_fn(data, int(task_cfg.n_best), int(task_cfg.max_answer_length))
+                for split, data in (eval_data or {}).items()}
     return functools.partial(compute_task_metrics, list(task_cfg.metrics), regression=task_cfg.num_labels == 1)
 
