@@ -20,19 +20,13 @@ from kdrun.results import collect
 from kdrun.run import run
 from kdrun.runlock import RunDirBusy, run_dir_lock
 from tests.conftest import REPO, TINY, TOY
-
-
-def _env(tmp: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("KDRUN_SWEEP_NAME", "RANK", "WORLD_SIZE")}
-    env.update(KDRUN_CACHE_DIR=str(tmp / "cache"), KDRUN_OUTPUT_DIR=str(tmp / "outputs"), HF_HUB_OFFLINE="1",
-               WANDB_MODE="offline", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    return env
+from tests.test_sweeps import env_for
 
 
 def _kdrun(tmp: Path, *args: str, umask: int | None = None, **kw) -> subprocess.CompletedProcess:
+    set_umask = (lambda: os.umask(umask)) if umask is not None else None
     return subprocess.run([sys.executable, "-m", "kdrun", *args], capture_output=True, text=True, timeout=300,
-                          cwd=tmp, env=_env(tmp), preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
-                          **kw)
+                          cwd=tmp, env=env_for(tmp), preexec_fn=set_umask, **kw)
 
 
 def _builder(calls: list[int], payload: bytes = b"x" * 1000):
@@ -159,7 +153,7 @@ def test_second_process_in_a_held_run_directory_fails_naming_the_holder(tmp_path
 
 def test_two_concurrent_runs_of_one_directory_exactly_one_trains(tmp_path: Path) -> None:
     args = [*TINY, *TOY, "objective=logit", f"hydra.run.dir={tmp_path}/run", "logger.log_every_steps=1"]
-    procs = [subprocess.Popen([sys.executable, "-m", "kdrun", *args], cwd=tmp_path, env=_env(tmp_path),
+    procs = [subprocess.Popen([sys.executable, "-m", "kdrun", *args], cwd=tmp_path, env=env_for(tmp_path),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     codes = sorted(p.returncode for p in procs)
@@ -176,7 +170,7 @@ def test_resume_wait_waits_for_the_holder_then_reports(tmp_path: Path) -> None:
     args = [*TINY, *TOY, "objective=finetune", f"hydra.run.dir={run_dir}"]
     assert _kdrun(tmp_path, *args).returncode == 0
     with run_dir_lock(run_dir):
-        p = subprocess.Popen([sys.executable, "-m", "kdrun", *args, "resume=wait"], cwd=tmp_path, env=_env(tmp_path),
+        p = subprocess.Popen([sys.executable, "-m", "kdrun", *args, "resume=wait"], cwd=tmp_path, env=env_for(tmp_path),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         first = p.stdout.readline()
         assert "is in use by pid" in first and "waiting (resume=wait)" in first
