@@ -52,7 +52,8 @@ class Adaptor:
     scores: str = "Q K^T / sqrt(d_head)"
 
     def base(self, model: nn.Module) -> nn.Module:
-        return getattr(model, model.base_model_prefix)
+        """The encoder inside a model with a head, or the model itself when it is the bare encoder."""
+        return getattr(model, model.base_model_prefix, model)
 
     def layers(self, model: nn.Module) -> nn.ModuleList:
         """The encoder's transformer layers, in order."""

@@ -67,8 +67,9 @@ class TaskConfig:
     max_eval_samples: Optional[int] = None
     sample_seed: int = 42
     toy: Optional[ToyConfig] = None
-    # ``classification`` (sentence / sentence-pair classification and regression) or ``qa``
-    # (extractive question answering on SQuAD v1.1 JSON, kdrun/qa/; the keys below are for qa only).
+    # ``classification`` (sentence / sentence-pair classification and regression), ``qa``
+    # (extractive question answering on SQuAD v1.1 JSON, kdrun/qa/) or ``corpus`` (raw text for
+    # general distillation, kdrun/general/; no labels). The keys below are for qa / corpus only.
     kind: str = "classification"
     # qa: split the eval split's file by article (the first N articles train, the rest evaluate);
     # null = separate train and eval files. max_train_samples / max_eval_samples count questions.
@@ -78,6 +79,14 @@ class TaskConfig:
     # qa: longest predicted answer (tokens) and the start / end candidates tried per window.
     max_answer_length: int = 30
     n_best: int = 20
+    # corpus (``task.kind=corpus``, general distillation on raw text, kdrun/general/): the corpus is
+    # ``data_files`` (files, a directory or globs of plain-text or WikiExtractor files); documents
+    # whose text hashes into the first ``validation_percent`` % are held out for evaluation;
+    # segments shorter than ``min_segment_tokens`` (a document's tail) are dropped.
+    validation_percent: float = 1.0
+    min_segment_tokens: int = 8
+    # corpus: share of tokens masked for the masked-LM distribution term (mlm_kd; BERT's 80/10/10).
+    mlm_probability: float = 0.15
 
 
 @dataclass

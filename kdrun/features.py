@@ -15,8 +15,9 @@ from torch import nn
 
 # Names a loss term may list in ``needs``:
 #   logits, hidden_states, attentions (post-softmax, eager attention only), spans,
-#   qkv (per-layer query/key/value projections), attention_scores (pre-softmax scores, from Q and K).
-KNOWN_NEEDS = frozenset({"logits", "hidden_states", "attentions", "spans", "qkv", "attention_scores"})
+#   qkv (per-layer query/key/value projections), attention_scores (pre-softmax scores, from Q and K),
+#   mlm_logits (the masked-LM head's logits at the batch's masked positions; corpus tasks).
+KNOWN_NEEDS = frozenset({"logits", "hidden_states", "attentions", "spans", "qkv", "attention_scores", "mlm_logits"})
 # Needs served by forward hooks on the attention projections (any attention implementation, SDPA too).
 PROJECTION_NEEDS = frozenset({"qkv", "attention_scores"})
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -90,21 +91,24 @@ class AttentionInputs:
 class Features:
     """What one forward pass exposes.
 
-    logits: (B, C) class logits, or (B, 1) regression outputs, or (B, n, 2) start / end logits (QA).
+    logits: (B, C) class logits, or (B, 1) regression outputs, or (B, n, 2) start / end logits (QA);
+        None for a bare encoder (general distillation).
     hidden_states: tuple of L+1 tensors (B, n, d); index 0 is the embedding output.
     attentions: tuple of L tensors (B, h, n, n) of attention probabilities (eager attention only).
     attention_mask: (B, n), 1 for real tokens.
     spans: per-example span index tensors when the data provides them.
+    mlm_logits: (M, V) masked-LM logits at ``batch["mlm_positions"]`` (flat indices into (B, n)).
     extra: features later objectives add; ``extra["attention_inputs"]`` (an :class:`AttentionInputs`)
         when a term needs ``qkv`` or ``attention_scores`` — read it with :meth:`attention_scores`
         and :meth:`qkv`.
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     attention_mask: torch.Tensor
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
     spans: Any = None
+    mlm_logits: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def require(self, name: str) -> Any:
@@ -133,12 +137,39 @@ class Features:
         return self._attention_inputs("qkv")
 
 
-def output_logits(out: Any) -> torch.Tensor:
+def output_logits(out: Any) -> torch.Tensor | None:
     """A model output's logits: (B, C) of a classifier; (B, n, 2) start / end logits of a
-    question-answering head (task.kind=qa)."""
+    question-answering head (task.kind=qa); None for a bare encoder."""
     if getattr(out, "logits", None) is None and getattr(out, "start_logits", None) is not None:
         return torch.stack((out.start_logits, out.end_logits), dim=-1)
-    return out.logits
+    return getattr(out, "logits", None)
+
+
+# The first module of each family's masked-LM head (applied to the last hidden states).
+MLM_HEADS = {"bert": ("cls",), "roberta": ("lm_head",), "electra": ("generator_predictions",),
+             "distilbert": ("vocab_transform",), "deberta-v2": ("lm_predictions", "cls")}
+
+
+def mlm_head(model: nn.Module) -> nn.Module:
+    """The module where ``model``'s masked-LM head starts; ValueError when it has none."""
+    from kdrun.adaptors import family_of
+
+    model = getattr(model, "module", model)
+    for name in MLM_HEADS.get(family_of(model), ()):
+        if isinstance(getattr(model, name, None), nn.Module):
+            return getattr(model, name)
+    raise ValueError(f"{type(model).__name__} has no masked-LM head kdrun can read (heads of the families "
+                     f"{', '.join(MLM_HEADS)} are known); the mlm_kd term needs a masked-LM model")
+
+
+def _gather_masked(model: nn.Module, positions: torch.Tensor):
+    """Make the masked-LM head see only the rows at ``positions`` (flat indices into (B, n)), so
+    the vocabulary logits are computed for the masked tokens alone; returns the hook handle."""
+    def gather(_module, args):
+        h = args[0]
+        return (h.reshape(-1, h.shape[-1]).index_select(0, positions), *args[1:])
+
+    return mlm_head(model).register_forward_pre_hook(gather)
 
 
 def model_inputs(batch: Mapping[str, torch.Tensor], model: nn.Module | None = None) -> dict[str, torch.Tensor]:
@@ -181,6 +212,9 @@ def extract_features(model: nn.Module, batch: Mapping[str, Any], needs: frozense
     """Run ``model`` on ``batch`` and collect the features in ``needs``."""
     capture = bool(needs & PROJECTION_NEEDS)
     store, handles, meta = _capture_projections(model) if capture else (None, [], None)
+    mlm = "mlm_logits" in needs
+    if mlm:
+        handles.append(_gather_masked(model, batch["mlm_positions"]))
     try:
         out = model(
             **model_inputs(batch, model),
@@ -197,8 +231,10 @@ def extract_features(model: nn.Module, batch: Mapping[str, Any], needs: frozense
     extra: dict[str, Any] = {}
     if capture:
         extra["attention_inputs"] = AttentionInputs(store["q"], store["k"], store["v"], *meta, bias=store["bias"])
+    logits = output_logits(out)
     return Features(
-        logits=output_logits(out),
+        logits=None if mlm else logits,
+        mlm_logits=logits if mlm else None,
         attention_mask=batch["attention_mask"],
         hidden_states=tuple(out.hidden_states) if "hidden_states" in needs else None,
         attentions=attentions,

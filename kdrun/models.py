@@ -117,7 +117,9 @@ def _attn_impl(need_attentions: bool, family: str = "bert") -> str:
 
 
 # The transformers auto class of each head: a task's ``kind`` picks it (head_of).
-HEADS = {"classification": "AutoModelForSequenceClassification", "qa": "AutoModelForQuestionAnswering"}
+HEADS = {"classification": "AutoModelForSequenceClassification", "qa": "AutoModelForQuestionAnswering",
+         # corpus tasks (general distillation): the bare encoder, or it with its masked-LM head
+         "encoder": "AutoModel", "mlm": "AutoModelForMaskedLM"}
 
 
 def head_of(task: Any) -> str:

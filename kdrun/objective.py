@@ -261,7 +261,7 @@ class Objective(nn.Module):
         map for this call (kdrun/dynabert: a depth sub-network's kept layers, renumbered).
         """
         plan = self.plans[stage]
-        total = student.logits.new_zeros((), dtype=torch.float32)
+        total = student.attention_mask.new_zeros((), dtype=torch.float32)
         values: dict[str, torch.Tensor] = {}
         for term in plan.terms:
             key = self._module_key(plan, term)

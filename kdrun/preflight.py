@@ -32,6 +32,11 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     check_qa_config(cfg)  # task.kind and the question answering keys
+    corpus = cfg.task.kind == "corpus"
+    if corpus:  # general distillation: label-free terms, a corpus to read
+        from kdrun.general import check_corpus_config
+
+        check_corpus_config(cfg, plans)
     _plan_augmentation(cfg, plans)
     if cfg.resume not in (True, False, "wait"):
         raise ConfigError(f"resume={cfg.resume!r} must be true, false or wait")
@@ -46,7 +51,12 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
     if cfg.task.main_metric not in cfg.task.metrics:
         raise ConfigError(
             f"task.main_metric='{cfg.task.main_metric}' is not among task.metrics {list(cfg.task.metrics)}")
-    check_task_data(cfg.task)
+    if corpus:
+        from kdrun.data.corpus import corpus_files
+
+        corpus_files(list(cfg.task.data_files) if not isinstance(cfg.task.data_files, str) else cfg.task.data_files)
+    else:
+        check_task_data(cfg.task)
     if any("spans" in p.student_needs | p.teacher_needs for p in plans):
         from kdrun.spans import check_spans_config
 
@@ -56,7 +66,7 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
             raise ConfigError(str(e)) from None
     uses_teacher = any(p.uses_teacher for p in plans) or (
         cfg.student.kind == "truncated" and cfg.student.source == "teacher")
-    _check_optimizers(cfg, plans, fine_tunes_teacher=uses_teacher and not cfg.teacher.checkpoint)
+    _check_optimizers(cfg, plans, fine_tunes_teacher=uses_teacher and not cfg.teacher.checkpoint and not corpus)
     refs = _resolve_models(cfg, uses_teacher)
     return {"plans": plans, "refs": refs, "uses_teacher": uses_teacher, "mapping": mapping}
 

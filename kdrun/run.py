@@ -122,9 +122,9 @@ def _print_table(summary: dict[str, Any]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
     t = summary["timings"]
     teacher = summary["teacher"]
-    if teacher.get("path"):
+    if teacher.get("path") or teacher.get("source"):
         how = "cache hit" if teacher.get("cached") else teacher.get("source", "fine-tuned and cached")
-        print(f"\nteacher: {how} ({teacher['path']})")
+        print(f"\nteacher: {how} ({teacher.get('path') or 'random'})")
     else:
         print("\nteacher: none (the objective uses no teacher)")
     print(f"wall time {t['total_s']:.1f}s (teacher {t['teacher_s']:.1f}s, distillation {t['stages_s']:.1f}s)")
@@ -208,11 +208,13 @@ def load_data(session: Session) -> RunData:
 
     t0 = time.perf_counter()
     cfg, task, refs = session.cfg, session.cfg.task, session.pre["refs"]
-    raw = load_task_data(task)
-    data_hash = data_fingerprint(raw)
     tok_ref = next(refs[k] for k in ("teacher", "teacher_tokenizer", "student", "student_tokenizer") if k in refs)
     tokenizer = M.load_tokenizer(tok_ref)
     tok_hash = M.tokenizer_fingerprint(tokenizer)
+    if task.kind == "corpus":  # raw text for general distillation (kdrun/general/)
+        return _corpus_data(session, tokenizer, tok_hash, t0)
+    raw = load_task_data(task)
+    data_hash = data_fingerprint(raw)
     span_extractor = None
     if "spans" in session.needs("student") | session.needs("teacher"):  # MGSKD: multi-piece words + phrases
         from kdrun.spans import span_extractor_for
@@ -236,6 +238,20 @@ def load_data(session: Session) -> RunData:
                                                         span_extractor)
     data.seconds = time.perf_counter() - t0
     return data
+
+
+def _corpus_data(session: Session, tokenizer, tok_hash: str, t0: float) -> RunData:
+    from kdrun.general import uses_mlm
+    from kdrun.general.data import CorpusCollator, load_corpus
+
+    cfg = session.cfg
+    train, validation, data_hash, _ = load_corpus(cfg.task, tokenizer, tok_hash, cfg.cache_dir)
+    mlm = uses_mlm(session.pre["plans"])
+    collator = CorpusCollator(tokenizer.pad_token_id, tokenizer.mask_token_id if mlm else None, len(tokenizer),
+                              cfg.task.mlm_probability, seed=cfg.train.seed,
+                              pad_to=cfg.task.max_seq_length if cfg.train.pad_to_max_length else None)
+    return RunData(data_hash, tokenizer, tok_hash, train, {"validation": validation}, collator,
+                   seconds=time.perf_counter() - t0)
 
 
 def _augmented_data(cfg: DictConfig, train_raw, tokenizer, tok_hash: str, span_extractor) -> tuple[Any, dict]:
@@ -269,13 +285,16 @@ def make_tracker(session: Session):
 
 def make_parts(session: Session, data: RunData, models: Models):
     """The trainer's view of the run (the student's train settings, the run's data and tracker)."""
+    from kdrun.general.evaluate import heldout_losses
     from kdrun.metrics import task_metric_fn
     from kdrun.trainer import RunParts
 
     cfg, acc = session.cfg, session.accelerator
+    corpus = cfg.task.kind == "corpus"
     return RunParts(accelerator=acc, student=models.student, teacher=models.teacher, objective=models.objective,
                     train_data=data.train, eval_data=data.eval, collator=data.collator,
-                    metric_fn=task_metric_fn(cfg.task, data.eval), main_metric=cfg.task.main_metric,
+                    metric_fn=None if corpus else task_metric_fn(cfg.task, data.eval), main_metric=cfg.task.main_metric,
+                    evaluator=heldout_losses if corpus else None,
                     train_cfg=cfg.train,
                     tracker=session.tracker, run_dir=session.run_dir, config_hash=session.config_hash,
                     log_every=cfg.logger.log_every_steps, rank=acc.process_index, world_size=acc.num_processes,
@@ -294,7 +313,15 @@ def load_teacher(session: Session, data: RunData) -> Models:
         return Models(None, {}, time.perf_counter() - t0)
     tc, num_labels, head = cfg.teacher, cfg.task.num_labels, M.head_of(cfg.task)
     need_attn = "attentions" in session.needs("teacher")
-    if tc.checkpoint:
+    if cfg.task.kind == "corpus":  # general distillation: the pre-trained teacher as it is
+        from kdrun.general import head_for
+        from kdrun.general.models import general_teacher
+
+        teacher = acc.prepare_model(general_teacher(cfg, refs.get("teacher"), head_for(session.pre["plans"], "teacher"),
+                                                    len(data.tokenizer), data.tokenizer.pad_token_id, need_attn),
+                                    evaluation_mode=True)
+        info = {"cached": False, "path": refs.get("teacher"), "source": "pre-trained, not fine-tuned (corpus task)"}
+    elif tc.checkpoint:
         teacher = acc.prepare_model(M.load_classifier(refs["teacher"], num_labels, need_attentions=need_attn,
                                                       head=head), evaluation_mode=True)
         info = {"cached": False, "path": refs["teacher"], "source": "teacher.checkpoint",
@@ -352,21 +379,26 @@ def _new_student(session: Session, data: RunData, teacher):
     from kdrun import models as M
 
     cfg, sc, refs = session.cfg, session.cfg.student, session.pre["refs"]
+    head = M.head_of(cfg.task)
+    if cfg.task.kind == "corpus":  # a general student: bare encoder, or with the MLM head it is trained on
+        from kdrun.general import head_for
+
+        head = head_for(session.pre["plans"], "student")
     if sc.kind == "truncated":
         if sc.source == "teacher":
             if teacher is None:
                 raise ConfigError("student=truncated with source=teacher needs a teacher")
             base = session.accelerator.unwrap_model(teacher)
         else:
-            base = M.load_classifier(refs["student"], cfg.task.num_labels, head=M.head_of(cfg.task))
+            base = M.load_classifier(refs["student"], cfg.task.num_labels, head=head)
         student = M.truncate_layers(base, sc.num_layers)
         for p in student.parameters():
             p.requires_grad_(True)
         return student
     if sc.kind == "random":
         return M.random_classifier(sc, len(data.tokenizer), cfg.task.num_labels,
-                                   pad_token_id=data.tokenizer.pad_token_id, head=M.head_of(cfg.task))
-    student = M.load_classifier(refs["student"], cfg.task.num_labels, dropout=sc.dropout, head=M.head_of(cfg.task))
+                                   pad_token_id=data.tokenizer.pad_token_id, head=head)
+    student = M.load_classifier(refs["student"], cfg.task.num_labels, dropout=sc.dropout, head=head)
     if M.tokenizer_fingerprint(M.load_tokenizer(refs["student"])) != data.tok_hash:
         raise ConfigError(
             f"student '{sc.name}' and teacher '{cfg.teacher.name}' use different vocabularies; "
@@ -436,6 +468,13 @@ def write_outputs(session: Session, data: RunData, models: Models, parts, state,
     return summary
 
 
+def _best_value(cfg: DictConfig, state) -> float | None:
+    from kdrun.general import LOWER_IS_BETTER
+
+    lower = cfg.task.main_metric in LOWER_IS_BETTER and state.best_metric is not None
+    return -state.best_metric if lower else state.best_metric
+
+
 def _summary(session: Session, data: RunData, models: Models, state, final_metrics: dict,
              stages_s: float) -> dict[str, Any]:
     cfg, plans = session.cfg, session.pre["plans"]
@@ -449,7 +488,7 @@ def _summary(session: Session, data: RunData, models: Models, state, final_metri
         "teacher": {**models.teacher_info, "name": cfg.teacher.name, "info": models.teacher_arch},
         "student": {"name": cfg.student.name, "info": models.student_info, "metrics": final_metrics,
                     "selected": {"stage": state.best_stage, "step": state.best_step,
-                                 "metric": cfg.task.main_metric, "value": state.best_metric}},
+                                 "metric": cfg.task.main_metric, "value": _best_value(cfg, state)}},
         "stages": state.stage_results,
         "evals": state.evals,
         "layer_pairs": models.objective.layer_pairs,

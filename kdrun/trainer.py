@@ -70,6 +70,9 @@ class RunParts:
     guard: PreemptionGuard | None = None
     # The tokenised augmented training set, for stages with ``data: augmented``.
     augmented_data: Any = None
+    # Replaces prediction + metric_fn: (parts, model, stage index or None) -> {split: metrics}
+    # (corpus tasks: the held-out distillation loss, kdrun/general/evaluate.py).
+    evaluator: Callable[..., dict[str, dict[str, float]]] | None = None
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -81,7 +84,8 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 def _clone_features(f: Features) -> Features:
     """Turn inference-mode tensors into ordinary ones so they can take part in autograd graphs."""
     return Features(
-        logits=f.logits.clone(),
+        logits=f.logits.clone() if f.logits is not None else None,
+        mlm_logits=f.mlm_logits.clone() if f.mlm_logits is not None else None,
         attention_mask=f.attention_mask,
         hidden_states=tuple(h.clone() for h in f.hidden_states) if f.hidden_states is not None else None,
         attentions=tuple(a.clone() for a in f.attentions) if f.attentions is not None else None,
@@ -133,7 +137,10 @@ def _cat_logits(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def evaluate(parts: RunParts, model: nn.Module) -> dict[str, dict[str, float]]:
+def evaluate(parts: RunParts, model: nn.Module, stage: int | None = None) -> dict[str, dict[str, float]]:
+    """Metrics per eval split (``stage``: the stage being trained, for evaluators that depend on it)."""
+    if parts.evaluator is not None:
+        return parts.evaluator(parts, model, stage)
     results = {}
     for split, data in parts.eval_data.items():
         logits, labels = predict(model, data, parts.collator, parts.train_cfg.eval_batch_size, parts.accelerator,
@@ -144,8 +151,12 @@ def evaluate(parts: RunParts, model: nn.Module) -> dict[str, dict[str, float]]:
 
 
 def main_score(parts: RunParts, results: dict[str, dict[str, float]]) -> float:
+    """The first split's main metric, negated for losses (higher is always better here)."""
+    from kdrun.general import LOWER_IS_BETTER
+
     first = next(iter(results.values()))
-    return float(first[parts.main_metric])
+    value = float(first[parts.main_metric])
+    return -value if parts.main_metric in LOWER_IS_BETTER else value
 
 
 # --------------------------------------------------------------------------------------- the stage
@@ -382,7 +393,7 @@ def _log(parts: RunParts, loop: StageLoop, state: TrainState) -> None:
 
 def evaluate_stage(parts: RunParts, plan: StagePlan, state: TrainState, tag: str) -> None:
     """Evaluate the student on dev, record and log it, and keep it when it is the best so far."""
-    results = evaluate(parts, parts.student)
+    results = evaluate(parts, parts.student, plan.index)
     score = main_score(parts, results)
     state.evals.append({"stage": plan.name, "step": state.global_step, "stage_step": state.stage_step, "at": tag,
                         "metrics": results})

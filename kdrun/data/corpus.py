@@ -179,28 +179,43 @@ class SegmentStats:
     segments: dict[str, int] | None = None
 
 
+def _batched_documents(files: list[Path], size: int = 256) -> Iterator[list[Document]]:
+    batch: list[Document] = []
+    for doc in iter_documents(files):
+        batch.append(doc)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
 def write_corpus_splits(files: list[Path], tokenizer, out_dir: Path, max_seq_length: int,
                         validation_percent: float, min_tokens: int, progress=None) -> SegmentStats:
-    """Tokenise the corpus in one pass into ``out_dir/{train,validation}.arrow`` (an ``input_ids``
-    column; memory-mapped when loaded). Raises DataError for an empty or too short corpus."""
+    """Tokenise the corpus in one pass into ``out_dir/{train,validation}.arrow`` (columns
+    ``input_ids``, ``length``, ``idx``; memory-mapped when loaded). Documents are tokenised 256 at a
+    time (the fast tokenizer's batch path); ``progress.update(n_tokens)`` follows it. Raises
+    DataError for an empty or too short corpus."""
     import datasets
     from datasets.arrow_writer import ArrowWriter
 
-    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
+                                  "length": datasets.Value("int32"), "idx": datasets.Value("int64")})
     stats = SegmentStats(segments={"train": 0, "validation": 0})
     writers = {s: ArrowWriter(path=str(out_dir / f"{s}.arrow"), features=features) for s in ("train", "validation")}
     try:
-        for doc in iter_documents(files):
-            ids = tokenizer(doc.text, add_special_tokens=False)["input_ids"]
-            stats.documents += 1
-            stats.tokens += len(ids)
+        for docs in _batched_documents(files):
+            encoded = tokenizer([d.text for d in docs], add_special_tokens=False)["input_ids"]
+            for doc, ids in zip(docs, encoded):
+                stats.documents += 1
+                stats.tokens += len(ids)
+                split = "validation" if is_validation(doc, validation_percent) else "train"
+                for seg in segment_document(ids, max_seq_length, tokenizer.cls_token_id, tokenizer.sep_token_id,
+                                            min_tokens):
+                    writers[split].write({"input_ids": seg, "length": len(seg), "idx": stats.segments[split]})
+                    stats.segments[split] += 1
             if progress is not None:
-                progress.update(len(ids))
-            split = "validation" if is_validation(doc, validation_percent) else "train"
-            for seg in segment_document(ids, max_seq_length, tokenizer.cls_token_id, tokenizer.sep_token_id,
-                                        min_tokens):
-                writers[split].write({"input_ids": seg})
-                stats.segments[split] += 1
+                progress.update(sum(len(x) for x in encoded))
     finally:
         for w in writers.values():
             w.finalize()

@@ -232,7 +232,7 @@ class CosineParams(ProjectionParams):
                check=projection_check("hidden_cosine"), module=projection_module(embeddings=True))
 def hidden_cosine(s: Features, t: Features, batch, ctx: LossContext, p: CosineParams) -> torch.Tensor:
     """DistilBERT: 1 − cos(h_s, h_t) over real tokens, summed over mapped layers."""
-    total = s.logits.new_zeros((), dtype=torch.float32)
+    total = s.attention_mask.new_zeros((), dtype=torch.float32)
     for _, xs, tgt in mapped(s, t, ctx, lambda h: h, ctx.module, embeddings=True):
         total = total + masked_mean(1.0 - F.cosine_similarity(xs, tgt, dim=-1), s.attention_mask)
     return total

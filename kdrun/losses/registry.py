@@ -168,6 +168,9 @@ class LossSpec:
     share: Callable[[Params], str | None] | None
     model_check: Callable[..., None] | None
     doc: str
+    # Whether the term reads the models' task outputs (it declared ``logits``, the default): a
+    # corpus task (general distillation) has none.
+    reads_logits: bool = True
 
     @property
     def param_names(self) -> frozenset[str]:
@@ -235,6 +238,7 @@ def register_loss(
     map (kdrun.mapping.MappedPairs) and its typed parameters; ``check`` raises ValueError saying what
     to change.
     """
+    reads_logits = "logits" in frozenset(needs) | frozenset(teacher_needs or ())
     needs = frozenset(needs) | {"logits"}
     t_needs = (frozenset(teacher_needs) | {"logits"}) if teacher_needs is not None else needs
     unknown = (needs | t_needs) - KNOWN_NEEDS
@@ -252,6 +256,7 @@ def register_loss(
             name=name, impl=fn, params=params, needs=needs, teacher_needs=t_needs if uses_teacher else frozenset(),
             uses_teacher=uses_teacher, uses_labels=uses_labels, map_kinds=frozenset(map_kinds), module=module,
             share=share, model_check=check, doc=((fn.__doc__ or "").strip().split("\n") or [""])[0],
+            reads_logits=reads_logits,
         )
         return fn
 

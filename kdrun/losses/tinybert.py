@@ -86,7 +86,7 @@ def tinybert_embedding(s: Features, t: Features, batch, ctx: LossContext, p: Tin
                check=projection_check("tinybert_hidden"), module=_projection, share=_share_projection)
 def tinybert_hidden(s: Features, t: Features, batch, ctx: LossContext, p: TinyProjection) -> torch.Tensor:
     """TinyBERT hidden loss: Σ_j MSE(H_s^j W, mapped teacher hidden states) over real tokens."""
-    total = s.logits.new_zeros((), dtype=torch.float32)
+    total = s.attention_mask.new_zeros((), dtype=torch.float32)
     for _, xs, tgt in mapped(s, t, ctx, lambda h: h, ctx.module, embeddings=False):
         total = total + masked_mean((xs - tgt) ** 2, s.attention_mask)
     return total
@@ -124,7 +124,7 @@ def tinybert_attention(s: Features, t: Features, batch, ctx: LossContext, p: Att
     lmap = layer_map_of(ctx)
     weights = lmap.row_weights(ctx.step)
     mask = s.attention_mask
-    total = s.logits.new_zeros((), dtype=torch.float32)
+    total = s.attention_mask.new_zeros((), dtype=torch.float32)
     for i, row in enumerate(lmap.rows):
         if row.student == 0:
             continue

@@ -160,6 +160,13 @@ def check_metric_names(metric_names: Sequence[str], regression: bool, kind: str 
     if isinstance(metric_names, str):
         metric_names = [metric_names]
     names = list(metric_names)
+    if kind == "corpus":
+        from kdrun.general import CORPUS_METRICS
+
+        if not names or any(name not in CORPUS_METRICS for name in names):
+            raise ValueError(f"Metric(s) {names} do not apply to a corpus task; use {list(CORPUS_METRICS)} "
+                             "(the held-out distillation loss)")
+        return list(dict.fromkeys(names))
     if kind == "qa":
         from kdrun.qa import QA_METRICS
 

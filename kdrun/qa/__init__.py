@@ -23,7 +23,7 @@ from typing import Any
 
 from kdrun.errors import ConfigError
 
-KINDS = ("classification", "qa")
+KINDS = ("classification", "qa", "corpus")
 QA_METRICS = ("exact_match", "f1")
 
 
