@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kdrun.features import Features
+from kdrun.features import Features, fp32
 from kdrun.losses.registry import LossContext, Params, param, positive, register_loss
 
 
@@ -26,7 +26,7 @@ class MLMParams(Params):
 @register_loss("mlm_kd", params=MLMParams, needs={"mlm_logits"})
 def mlm_kd(s: Features, t: Features, batch, ctx: LossContext, p: MLMParams) -> torch.Tensor:
     """Soft cross-entropy -sum_v p_t(v) log p_s(v) at temperature T, mean over the masked tokens."""
-    zs, zt = s.require("mlm_logits").float(), t.require("mlm_logits").float()
+    zs, zt = fp32(s.require("mlm_logits")), fp32(t.require("mlm_logits"))
     log_ps = F.log_softmax(zs / p.temperature, dim=-1)
     pt = F.softmax(zt / p.temperature, dim=-1)
     return -(pt * log_ps).sum(-1).mean()
