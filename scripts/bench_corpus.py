@@ -1,0 +1,117 @@
+"""Is the data path of general distillation a bottleneck? Tokens/s of loading batches alone (the
+cached, memory-mapped segments through the sampler and the masking collator) vs tokens/s of the
+training step (teacher forward + student forward/backward + optimizer step), on the same batches,
+in one process; and, for reference, the naive data path (reading and tokenising the documents for
+every batch instead of the cached segments).
+
+    python scripts/bench_corpus.py --data ../shared/data/wikipedia            # minilm_l6 → L4-H312, ckd_general
+    python scripts/bench_corpus.py --data ../shared/data/wikipedia --steps 20 objective=mlm_ckd teacher=...
+
+The corpus shards are built (or taken from the cache) first and not timed. Take the figures on an
+otherwise idle machine. Ratio = data tokens/s ÷ training tokens/s: far above 1 means the data path
+is not the bottleneck.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    from kdrun.config import register_configs
+
+    register_configs()
+    with initialize_config_module(config_module="kdrun.conf", version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides)
+
+
+def tokens(batch) -> int:
+    return int(batch["attention_mask"].sum())
+
+
+def time_loading(loop, steps: int) -> tuple[float, int]:
+    t0, n = time.perf_counter(), 0
+    for i, batch in enumerate(loop.loader):
+        n += tokens(batch)
+        if i + 1 == steps:
+            break
+    return time.perf_counter() - t0, n
+
+
+def time_naive_loading(files, tokenizer, batch_size: int, max_len: int, steps: int) -> tuple[float, int]:
+    """Read and tokenise documents for every batch (no segment cache)."""
+    from kdrun.data.corpus import iter_documents
+
+    t0, n, docs = time.perf_counter(), 0, iter_documents(files)
+    for _ in range(steps):
+        texts = [next(docs).text for _ in range(batch_size)]
+        enc = tokenizer(texts, truncation=True, max_length=max_len, padding=True, return_tensors="pt")
+        n += int(enc["attention_mask"].sum())
+    return time.perf_counter() - t0, n
+
+
+def time_training(parts, loop, state, steps: int) -> tuple[float, int]:
+    from kdrun.trainer import _to_device, train_step
+
+    it = iter(loop.loader)
+    batch = _to_device(next(it), parts.accelerator.device)
+    train_step(parts, loop, batch, state)  # warm-up step, not timed
+    t0, n = time.perf_counter(), 0
+    for _ in range(steps):
+        batch = _to_device(next(it), parts.accelerator.device)
+        train_step(parts, loop, batch, state)
+        n += tokens(batch)
+    return time.perf_counter() - t0, n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", required=True, help="corpus files or directory (task.data_files)")
+    ap.add_argument("--steps", type=int, default=15)
+    args, overrides = ap.parse_known_args()
+    from kdrun.data.corpus import corpus_files
+    from kdrun.preflight import preflight
+    from kdrun.run import build_student, load_data, load_teacher, make_parts, start_session
+    from kdrun.trainer import TrainState, setup_stage
+
+    cfg = compose(["task=wikipedia", f"task.data_files={args.data}", "teacher=minilm_l6", "student=general_L4_H312",
+                   "objective=ckd_general", "logger=none", *overrides])
+    with tempfile.TemporaryDirectory() as tmp:
+        session = start_session(cfg, Path(tmp), preflight(cfg), time.perf_counter())
+        data = load_data(session)  # builds or loads the cached shards (not timed)
+        from kdrun.tracking import Tracker
+
+        session.tracker = Tracker(Path(tmp), cfg.logger, {}, "bench", enabled=False)
+        models = build_student(session, data, load_teacher(session, data))
+        parts = make_parts(session, data, models)
+        plan = session.pre["plans"][0]
+        loop = setup_stage(parts, plan, TrainState(), None)
+        loop.sampler.set_epoch(0)
+        torch.set_grad_enabled(True)
+        load_s, load_n = time_loading(loop, args.steps)
+        naive_s, naive_n = time_naive_loading(corpus_files(args.data), data.tokenizer, plan.cfg["batch_size"],
+                                              cfg.task.max_seq_length, args.steps)
+        parts.student.train()
+        train_s, train_n = time_training(parts, loop, TrainState(), args.steps)
+    load_tps, naive_tps, train_tps = load_n / load_s, naive_n / naive_s, train_n / train_s
+    print(f"{args.steps} batches of {plan.cfg['batch_size']} segments (max {cfg.task.max_seq_length} tokens), "
+          f"objective {cfg.objective.name}, {torch.get_num_threads()} threads")
+    print(f"data loading (cached segments + collator{' + masking' if data.collator.masks else ''}): "
+          f"{load_tps:,.0f} tokens/s")
+    print(f"naive data path (read + tokenise per batch):              {naive_tps:,.0f} tokens/s")
+    print(f"training step (teacher fwd + student fwd/bwd + update):   {train_tps:,.0f} tokens/s")
+    print(f"ratio data loading / training step: {load_tps / train_tps:,.1f}x "
+          f"(cached vs naive data path: {load_tps / naive_tps:,.1f}x)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
