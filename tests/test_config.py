@@ -81,7 +81,7 @@ def test_help_lists_groups() -> None:
     out = _kdrun("--help").stdout
     for g in GROUPS:
         assert f"{g}:" in out
-    assert "cola, mnli, mrpc, qnli, qqp, rte, squad, sst2, stsb, toy, wnli" in out
+    assert "cola, mnli, mrpc, qnli, qqp, rte, squad, sst2, stsb, text_corpus, toy, wikipedia, wnli" in out
 
 
 def test_unknown_task_lists_choices() -> None:
