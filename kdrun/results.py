@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
+from kdrun.general import LOWER_IS_BETTER
+
 # Config keys that never distinguish one experimental setting from another.
 IGNORED_PREFIXES = (
     "seed", "train.seed", "run_name", "output_dir", "cache_dir", "resume", "logger.", "train.device",
@@ -224,7 +226,8 @@ def build_cells(runs: list[RunRecord]) -> tuple[dict[tuple, dict[str, Cell]], di
             keys = swept_keys(rs)
             row_swept.update(keys)
             groups = group_by_setting(rs, keys)
-            best_key = max(groups, key=lambda g: (statistics.fmean(x.value for x in groups[g]), len(groups[g])))
+            sign = -1.0 if next(iter(groups.values()))[0].metric in LOWER_IS_BETTER else 1.0  # losses: the lowest
+            best_key = max(groups, key=lambda g: (sign * statistics.fmean(x.value for x in groups[g]), len(groups[g])))
             chosen = sorted(groups[best_key], key=lambda r: r.seed)
             cells[row][task] = Cell(values=[r.value for r in chosen], setting=json.loads(best_key), runs=chosen,
                                     n_settings=len(groups))
