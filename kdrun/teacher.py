@@ -86,6 +86,10 @@ TASK_KEYED_AS_DATA = {
 }
 TASK_NOT_IN_KEY = {
     "name": "a label (names in error messages and run names); the data it stands for is in the data hash",
+    # corpus tasks only (task.kind=corpus): their teacher is used as it is, never fine-tuned or cached
+    "validation_percent": "corpus tasks only: no teacher is fine-tuned for them",
+    "min_segment_tokens": "corpus tasks only: no teacher is fine-tuned for them",
+    "mlm_probability": "corpus tasks only: no teacher is fine-tuned for them",
 }
 
 # train.*: in the key as the value that reaches the teacher.
