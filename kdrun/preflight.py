@@ -54,7 +54,7 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
     if corpus:
         from kdrun.data.corpus import corpus_files
 
-        corpus_files(list(cfg.task.data_files) if not isinstance(cfg.task.data_files, str) else cfg.task.data_files)
+        corpus_files(cfg.task.data_files)
     else:
         check_task_data(cfg.task)
     if any("spans" in p.student_needs | p.teacher_needs for p in plans):

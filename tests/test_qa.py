@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from kdrun.data.common import DataError
 from kdrun.qa.metric import exact_match, normalize_answer, squad_scores, token_f1
 from kdrun.qa.postprocess import best_window_spans
-from tests.conftest import SHARED, TINY, compose
+from tests.conftest import SHARED, TINY, compose, load_script
 
 SQUAD_DEV = SHARED / "data" / "squad" / "dev-v1.1.json"
 COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white"]
@@ -197,15 +197,8 @@ def test_train_windows_have_no_eval_columns_and_cache(squad_file: Path, tokenize
 
 # ---------------------------------------------------------------------------------- post-processing
 
-def naive_best(start, end, valid, n_best, max_len):
-    """Double loop over the n-best start and end candidates of one window."""
-    cand = lambda z: sorted((i for i in range(len(z)) if valid[i]), key=lambda i: -z[i])[:n_best]  # noqa: E731
-    best = (-math.inf, 0, 0)
-    for i in cand(start):
-        for j in cand(end):
-            if i <= j < i + max_len and start[i] + end[j] > best[0]:
-                best = (start[i] + end[j], i, j)
-    return best
+# The double loop over the n-best start and end candidates of one window: the benchmark's naive way.
+naive_best = load_script("bench_qa_postprocess").naive
 
 
 @pytest.mark.parametrize("n_best,max_len", [(3, 4), (20, 30), (40, 2)])

@@ -24,11 +24,6 @@ LOWER_IS_BETTER = frozenset(CORPUS_METRICS)
 MLM_NEED = "mlm_logits"
 
 
-def is_corpus(task: Any) -> bool:
-    kind = task.get("kind") if isinstance(task, dict) else getattr(task, "kind", None)
-    return kind == "corpus"
-
-
 def head_for(plans: list[Any], role: str) -> str:
     """The model head a corpus run loads for ``role``: ``mlm`` when a term reads its masked-LM
     distribution, else the bare encoder."""

@@ -30,7 +30,7 @@ def load_corpus(task: Any, tokenizer, tok_hash: str, cache_dir: str) -> tuple[An
 
     from kdrun.cache import content_hash, load_or_build
 
-    files = corpus_files(list(task.data_files) if not isinstance(task.data_files, str) else task.data_files)
+    files = corpus_files(task.data_files)
     fingerprint = corpus_fingerprint(files)
     key = content_hash(corpus_cache_key(fingerprint, tok_hash, task))
     stats: dict[str, Any] = {}
@@ -72,9 +72,9 @@ class CorpusCollator:
     token, 10 % stay. A segment's mask depends only on (``seed``, its ``idx``): the same at every
     epoch (static masking, as BERT's pre-computed data), in evaluation, and after a resume.
 
-    Batch keys: ``input_ids``, ``attention_mask``, ``idx``, ``labels`` (-100: the segment's idx; kept
-    for the evaluation loop), and with masking ``mlm_positions`` (flat indices into the (B, n) batch
-    of the chosen tokens) and ``mlm_targets`` (their original ids).
+    Batch keys: ``input_ids``, ``attention_mask``, ``idx`` (the segment's row), and with masking
+    ``mlm_positions`` (flat indices into the (B, n) batch of the chosen tokens) and ``mlm_targets``
+    (their original ids).
     """
 
     def __init__(self, pad_token_id: int, mask_token_id: int | None = None, vocab_size: int = 0,
@@ -102,7 +102,7 @@ class CorpusCollator:
             ids[i, : len(seq)] = seq
             mask[i, : len(seq)] = 1
         idx = torch.tensor([int(r["idx"]) for r in rows], dtype=torch.long)
-        batch = {"input_ids": ids, "attention_mask": mask, "idx": idx, "labels": idx.clone()}
+        batch = {"input_ids": ids, "attention_mask": mask, "idx": idx}
         if self.masks:
             batch["mlm_positions"] = torch.cat(positions)
             batch["mlm_targets"] = torch.cat(targets)

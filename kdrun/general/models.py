@@ -8,35 +8,32 @@ from typing import Any
 from kdrun.errors import ConfigError
 
 
-def load_general(ref: str, head: str, role: str, need_attentions: bool = False):
-    """A pre-trained model from ``ref`` with ``head`` (``encoder`` | ``mlm``) as it is: no task head.
-    A teacher whose checkpoint has no masked-LM weights cannot give a masked-LM distribution: that
-    is a ConfigError naming it, not a silently random head."""
+def load_general(ref: str, head: str, need_attentions: bool = False):
+    """A pre-trained teacher from ``ref`` with ``head`` (``encoder`` | ``mlm``) as it is: no task head.
+    A checkpoint without masked-LM weights cannot give a masked-LM distribution: that is a
+    ConfigError naming it, not a silently random head."""
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     from kdrun import models as M
 
+    config = AutoConfig.from_pretrained(ref)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
         model, info = M._auto_class(head).from_pretrained(
-            ref, output_loading_info=True, attn_implementation=M._attn_impl(need_attentions, _family(ref)))
+            ref, config=config, output_loading_info=True,
+            attn_implementation=M._attn_impl(need_attentions, config.model_type))
     finally:
         hf_logging.set_verbosity(verbosity)
     base = model.base_model_prefix
     missing_head = [k for k in info.get("missing_keys", []) if not k.startswith(base + ".")]
-    if head == "mlm" and role == "teacher" and missing_head:
+    if head == "mlm" and missing_head:
         raise ConfigError(
             f"teacher '{ref}' has no masked-LM head (its checkpoint lacks {missing_head[0]} …): the mlm_kd term "
             "needs the teacher's masked-LM distribution. Choose a teacher saved with its MLM head (e.g. "
             "bert-base-uncased) or an objective without mlm_kd (objective=ckd_general or tinybert_general)")
     return model
-
-
-def _family(ref: str) -> str:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(ref).model_type
 
 
 def general_teacher(cfg: Any, ref: str | None, head: str, vocab_size: int, pad_token_id: int, need_attentions: bool):
@@ -46,4 +43,4 @@ def general_teacher(cfg: Any, ref: str | None, head: str, vocab_size: int, pad_t
     tc = cfg.teacher
     if tc.kind == "random":
         return M.random_classifier(tc, vocab_size, 2, need_attentions, pad_token_id=pad_token_id, head=head)
-    return load_general(ref, head, "teacher", need_attentions)
+    return load_general(ref, head, need_attentions)
