@@ -153,6 +153,25 @@ def test_label_terms_are_refused_on_a_corpus(run_cfg, corpus: Path, tmp_path: Pa
     assert [t.key for t in pre["plans"][0].terms][0] == "mlm_kd"
 
 
+@pytest.mark.parametrize("objective,twin", [("ckd_general", "ckd"), ("tinybert_general", "tinybert"),
+                                            ("minilmv2_general", "minilmv2"), ("distilbert_general", "distilbert")])
+def test_label_free_objectives_are_refused_on_a_labelled_task(run_cfg, objective: str, twin: str) -> None:
+    """On a GLUE-style task nothing would train the classifier: a random head's scores are refused."""
+    from kdrun.preflight import preflight
+
+    with pytest.raises(ConfigError, match=rf"'{objective}' has no term that reads labels.*objective={twin}$"):
+        preflight(run_cfg(f"objective={objective}"))
+
+
+def test_mlm_terms_are_refused_on_a_task_without_masking(run_cfg) -> None:
+    from kdrun.preflight import preflight
+
+    with pytest.raises(ConfigError, match=r"terms \['mlm_kd'\].*only a corpus task.*task.kind=classification"):
+        preflight(run_cfg("objective=mlm_ckd"))
+    with pytest.raises(ConfigError, match=r"terms \['mlm_kd'\].*task.kind=qa"):
+        preflight(run_cfg("objective=mlm_ckd", "task=squad", toy=False))
+
+
 def test_a_teacher_without_an_mlm_head_is_refused(run_cfg, corpus: Path, tmp_path: Path) -> None:
     cfg = run_cfg(*corpus_args(corpus, "mlm_ckd"), "teacher=minilm_l6", "student=general_L4_H256", toy=False)
     with pytest.raises(ConfigError, match="has no masked-LM head.*ckd_general"):
