@@ -1,8 +1,13 @@
 """Optimizers and learning-rate schedules from config.
 
 Any ``torch.optim`` optimizer by class name with its keyword arguments, and a ``linear``,
-``cosine`` or ``constant`` schedule after a linear warmup. The defaults (AdamW, linear) build
-exactly the optimizer and schedule kdrun always used, so default runs train bit for bit as before.
+``cosine`` or ``constant`` schedule after a linear warmup. The defaults are AdamW and linear.
+
+Adam and AdamW run torch's fused kernel (``fused=True``) unless the kwargs choose an implementation
+(``fused``, ``foreach``, ``differentiable``): one pass over all parameters instead of a loop over
+tensors, about 10x faster steps on a CPU for a MiniLM-sized student (its 30522 x 384 word embeddings
+dominate). It computes the same update; results differ from the per-tensor loop in the last bit of
+float32 (``train.optimizer.kwargs={fused: false}`` gives the loop back, bit for bit).
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ UNSUPPORTED = {
 }
 # Set per parameter group from the stage (lr, weight_decay) or by the trainer (params).
 FROM_STAGE = ("params", "lr", "weight_decay")
+# Optimizers that get torch's fused kernel unless the kwargs choose an implementation.
+FUSED_BY_DEFAULT = ("Adam", "AdamW")
+IMPLEMENTATION_KWARGS = ("fused", "foreach", "differentiable")
 
 
 def optimizer_choices() -> list[str]:
@@ -89,7 +97,10 @@ def build_optimizer(groups: list[dict[str, Any]], opt: Mapping[str, Any], lr: fl
     cls = getattr(torch.optim, opt["name"])
     if "weight_decay" not in inspect.signature(cls).parameters:
         groups = [{k: v for k, v in g.items() if k != "weight_decay"} for g in groups]
-    return cls(groups, lr=lr, **dict(opt.get("kwargs") or {}))
+    kwargs = dict(opt.get("kwargs") or {})
+    if opt["name"] in FUSED_BY_DEFAULT and not set(IMPLEMENTATION_KWARGS) & set(kwargs):
+        kwargs["fused"] = True
+    return cls(groups, lr=lr, **kwargs)
 
 
 def build_scheduler(name: str, optimizer, warmup_steps: int, total_steps: int):

@@ -519,14 +519,19 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     The run holds ``run_dir``'s lock throughout (a second process fails at once, or waits with
     resume=wait), copies its output into ``cli.log`` and, if it fails, writes ``error.json``.
     """
+    from kdrun.threads import registered_run
+
+    with registered_run():  # counts among the machine's live runs while it runs (see kdrun.threads)
+        return _locked_run(cfg, run_dir)
+
+
+def _locked_run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from contextlib import nullcontext
 
     from kdrun.preemption import Interrupted
     from kdrun.runlock import run_dir_lock
     from kdrun.runlog import record_failure, tee_output
-    from kdrun.threads import register_run
 
-    register_run()
     main = _is_main_rank()
     progress: dict[str, Any] = {"phase": "config"}
     try:  # nothing is created for a config that cannot run (Hydra's run directory, if any, gets error.json)

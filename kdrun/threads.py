@@ -24,27 +24,51 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-_REGISTRATION: dict[str, int] = {}
+_REGISTRATION: dict[str, Any] = {}
 
 
 def registry_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"kdrun-runs-{os.getuid()}"
 
 
-def register_run() -> None:
-    """Count this process among the live kdrun runs on this machine (idempotent)."""
+def register_run() -> bool:
+    """Count this process among the live kdrun runs on this machine; False when it already counts."""
     if "fd" in _REGISTRATION:
-        return
+        return False
     d = registry_dir()
     try:
         d.mkdir(parents=True, exist_ok=True)
-        fd = os.open(d / f"{os.getpid()}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        path = d / f"{os.getpid()}.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:  # an unwritable tmp: the run counts as alone
-        return
-    _REGISTRATION["fd"] = fd
+        return False
+    _REGISTRATION.update(fd=fd, path=path)
+    return True
+
+
+def release_run() -> None:
+    """Stop counting this process (its run has ended but the process goes on: a notebook, pytest)."""
+    fd, path = _REGISTRATION.pop("fd", None), _REGISTRATION.pop("path", None)
+    if fd is not None:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+@contextmanager
+def registered_run():
+    """Counted among the live runs for the block, unless already counted (the kdrun command registers
+    once for its whole process, before Hydra starts the jobs)."""
+    mine = register_run()
+    try:
+        yield
+    finally:
+        if mine:
+            release_run()
 
 
 def live_runs() -> int:

@@ -117,6 +117,26 @@ def test_live_runs_are_counted_and_threads_chosen(tmp_path: Path, monkeypatch) -
     TH._REGISTRATION.clear()
 
 
+def test_a_run_in_a_longer_process_counts_only_while_it_runs(run_cfg, tmp_path: Path, monkeypatch) -> None:
+    """run() called from a notebook or pytest counts as a live run while it runs, not for the rest of the
+    process: it used to stay registered, so every later kdrun command on the machine took half the cores."""
+    from kdrun import threads as TH
+    from kdrun.run import run
+
+    monkeypatch.setattr(TH.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(TH, "_REGISTRATION", {})
+    seen = []
+    monkeypatch.setattr("kdrun.run.preflight", lambda cfg: seen.append(TH.live_runs()) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        run(run_cfg(), tmp_path / "r")
+    assert seen == [1] and TH.live_runs() == 1 and not list(TH.registry_dir().glob("*.lock"))
+    with TH.registered_run():  # the kdrun command: registered for the whole process, before its jobs
+        with pytest.raises(ZeroDivisionError):
+            run(run_cfg(), tmp_path / "r")
+        assert len(list(TH.registry_dir().glob("*.lock"))) == 1  # the inner run leaves the outer's registration
+    assert not list(TH.registry_dir().glob("*.lock"))
+
+
 def test_num_threads_is_no_part_of_a_runs_identity(run_cfg, tmp_path: Path) -> None:
     """A requeued job on a node with other cores resumes its checkpoints and lands in the same directory."""
     from omegaconf import OmegaConf
