@@ -42,6 +42,14 @@ def assert_kept_best(res: dict, metric: str = "accuracy", n: int | None = None, 
         assert value * n == pytest.approx(round(value * n)), f"{metric}={value} is no count out of {n}"
 
 
+def task_objectives() -> list[str]:
+    """The shipped objectives for labelled tasks: all but DynaBERT's (4 to 12 sub-networks per batch;
+    tests/test_dynabert.py) and the label-free general-distillation ones (corpus tasks only;
+    tests/test_general.py)."""
+    names = sorted(p.stem for p in (REPO / "conf" / "objective").glob("*.yaml"))
+    return [o for o in names if not o.startswith("dynabert") and not o.endswith("_general") and o != "mlm_ckd"]
+
+
 def load_script(name: str) -> ModuleType:
     """Import ``scripts/<name>.py`` (the scripts directory is no package) to test its functions."""
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
