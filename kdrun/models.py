@@ -138,7 +138,6 @@ def load_classifier(ref: str, num_labels: int, need_attentions: bool = False, dr
     """A sequence classifier (``head="qa"``: a question-answering model) from a resolved reference;
     the head is new when the checkpoint has none."""
     from transformers import AutoConfig
-    from transformers.utils import logging as hf_logging
 
     config = AutoConfig.from_pretrained(ref, num_labels=num_labels)
     if num_labels == 1:
@@ -147,15 +146,28 @@ def load_classifier(ref: str, num_labels: int, need_attentions: bool = False, dr
     if dropout is not None:
         for name in adaptor.dropout_fields if adaptor else ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             setattr(config, name, dropout)
+    return from_pretrained_quietly(ref, head, config, need_attentions)
+
+
+def from_pretrained_quietly(ref: str, head: str, config, need_attentions: bool = False, **kwargs):
+    """``<head's auto class>.from_pretrained(ref)`` with transformers' loading notices silenced (a new
+    task head's "newly initialized" notice is expected; callers check what matters themselves)."""
+    from transformers.utils import logging as hf_logging
+
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the "newly initialized classifier" notice is expected here
+    hf_logging.set_verbosity_error()
     try:
-        model = _auto_class(head).from_pretrained(
-            ref, config=config, attn_implementation=_attn_impl(need_attentions, config.model_type)
-        )
+        return _auto_class(head).from_pretrained(
+            ref, config=config, attn_implementation=_attn_impl(need_attentions, config.model_type), **kwargs)
     finally:
         hf_logging.set_verbosity(verbosity)
-    return model
+
+
+def missing_head_keys(model, info: dict[str, Any]) -> list[str]:
+    """The weights of ``model``'s head (outside its encoder) that the checkpoint lacked, from
+    ``from_pretrained(..., output_loading_info=True)``'s info: the head would be random."""
+    prefix = model.base_model_prefix + "."
+    return sorted(k for k in info.get("missing_keys", ()) if not k.startswith(prefix))
 
 
 def random_classifier(cfg: Any, vocab_size: int, num_labels: int, need_attentions: bool = False,

@@ -19,6 +19,7 @@ from kdrun.optim import check_optimizer, check_scheduler, stage_optim
 def preflight(cfg: DictConfig) -> dict[str, Any]:
     """Everything that can be checked before loading data or models. Returns resolved model refs."""
     from kdrun.data.sources import check_task_data
+    from kdrun.general import check_corpus_config, check_task_objective
     from kdrun.metrics import check_metric_names
     from kdrun.qa import check_qa_config
 
@@ -34,11 +35,9 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
     check_qa_config(cfg)  # task.kind and the question answering keys
     corpus = cfg.task.kind == "corpus"
     if corpus:  # general distillation: label-free terms, a corpus to read
-        from kdrun.general import check_corpus_config
-
         check_corpus_config(cfg, plans)
-    else:
-        _check_task_objective(cfg, plans)
+    else:  # a labelled task: a term that trains its head, none that needs masked tokens
+        check_task_objective(cfg, plans)
     _plan_augmentation(cfg, plans)
     if cfg.resume not in (True, False, "wait"):
         raise ConfigError(f"resume={cfg.resume!r} must be true, false or wait")
@@ -71,25 +70,6 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
     _check_optimizers(cfg, plans, fine_tunes_teacher=uses_teacher and not cfg.teacher.checkpoint and not corpus)
     refs = _resolve_models(cfg, uses_teacher)
     return {"plans": plans, "refs": refs, "uses_teacher": uses_teacher, "mapping": mapping}
-
-
-def _check_task_objective(cfg: DictConfig, plans: list) -> None:
-    """A labelled task needs a term that trains its head, and no term that reads masked-LM outputs
-    (only a corpus task masks tokens): the label-free objectives of general distillation belong there."""
-    name = cfg.objective.name
-    twin = name.removesuffix("_general") if name.endswith("_general") else "ckd"
-    mlm = [t.key for p in plans for t in p.terms if "mlm_logits" in t.spec.needs | t.spec.teacher_needs]
-    if mlm:
-        raise ConfigError(
-            f"objective '{name}': terms {mlm} match the masked-LM distribution on masked tokens, which only a "
-            f"corpus task (task.kind=corpus, e.g. task=wikipedia) provides; task '{cfg.task.name}' (task.kind="
-            f"{cfg.task.kind}) masks none. Distil on it with a task objective, e.g. objective={twin}")
-    if not any(t.spec.uses_labels or t.spec.reads_logits for p in plans for t in p.terms):
-        raise ConfigError(
-            f"objective '{name}' has no term that reads labels or task logits, so the {cfg.task.kind} head of "
-            f"task '{cfg.task.name}' would never be trained and its scores would be those of a random head. "
-            f"It is a general-distillation objective for corpus tasks (task=wikipedia / text_corpus); "
-            f"on this task use e.g. objective={twin}")
 
 
 def _check_weights(plans: list) -> None:

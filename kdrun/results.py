@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from kdrun.general import LOWER_IS_BETTER
+from kdrun.general import metric_sign
 
 # Config keys that never distinguish one experimental setting from another.
 IGNORED_PREFIXES = (
@@ -226,7 +226,7 @@ def build_cells(runs: list[RunRecord]) -> tuple[dict[tuple, dict[str, Cell]], di
             keys = swept_keys(rs)
             row_swept.update(keys)
             groups = group_by_setting(rs, keys)
-            sign = -1.0 if next(iter(groups.values()))[0].metric in LOWER_IS_BETTER else 1.0  # losses: the lowest
+            sign = metric_sign(next(iter(groups.values()))[0].metric)  # losses: the lowest is best
             best_key = max(groups, key=lambda g: (sign * statistics.fmean(x.value for x in groups[g]), len(groups[g])))
             chosen = sorted(groups[best_key], key=lambda r: r.seed)
             cells[row][task] = Cell(values=[r.value for r in chosen], setting=json.loads(best_key), runs=chosen,

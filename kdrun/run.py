@@ -469,10 +469,10 @@ def write_outputs(session: Session, data: RunData, models: Models, parts, state,
 
 
 def _best_value(cfg: DictConfig, state) -> float | None:
-    from kdrun.general import LOWER_IS_BETTER
+    """The selected metric's value (the trainer's score is sign * value, see trainer.main_score)."""
+    from kdrun.general import metric_sign
 
-    lower = cfg.task.main_metric in LOWER_IS_BETTER and state.best_metric is not None
-    return -state.best_metric if lower else state.best_metric
+    return None if state.best_metric is None else metric_sign(cfg.task.main_metric) * state.best_metric
 
 
 def _summary(session: Session, data: RunData, models: Models, state, final_metrics: dict,

@@ -152,11 +152,10 @@ def evaluate(parts: RunParts, model: nn.Module, stage: int | None = None) -> dic
 
 def main_score(parts: RunParts, results: dict[str, dict[str, float]]) -> float:
     """The first split's main metric, negated for losses (higher is always better here)."""
-    from kdrun.general import LOWER_IS_BETTER
+    from kdrun.general import metric_sign
 
     first = next(iter(results.values()))
-    value = float(first[parts.main_metric])
-    return -value if parts.main_metric in LOWER_IS_BETTER else value
+    return metric_sign(parts.main_metric) * float(first[parts.main_metric])
 
 
 # --------------------------------------------------------------------------------------- the stage

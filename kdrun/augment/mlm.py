@@ -115,6 +115,8 @@ def load_mlm(ref: str, device: Any = None, precision: str = "auto", what: str = 
     from transformers import AutoModelForMaskedLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from kdrun.models import missing_head_keys
+
     resolved = resolve_mlm(ref, what)
     check_mlm_architecture(resolved, ref, what)
     tokenizer = AutoTokenizer.from_pretrained(resolved)
@@ -137,8 +139,7 @@ def load_mlm(ref: str, device: Any = None, precision: str = "auto", what: str = 
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
-    prefix = model.base_model_prefix + "."
-    head_missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(prefix))
+    head_missing = missing_head_keys(model, info)
     if head_missing:
         raise _no_head_error(ref, what, f"the checkpoint lacks {', '.join(head_missing[:3])}"
                                         f"{' ...' if len(head_missing) > 3 else ''}")

@@ -24,6 +24,12 @@ LOWER_IS_BETTER = frozenset(CORPUS_METRICS)
 MLM_NEED = "mlm_logits"
 
 
+def metric_sign(metric: str) -> float:
+    """+1 for a metric where higher is better, -1 for a loss: sign * value is always 'higher is better'
+    (model selection in the trainer, the best setting in kdrun-report)."""
+    return -1.0 if metric in LOWER_IS_BETTER else 1.0
+
+
 def head_for(plans: list[Any], role: str) -> str:
     """The model head a corpus run loads for ``role``: ``mlm`` when a term reads its masked-LM
     distribution, else the bare encoder."""
@@ -39,7 +45,7 @@ def check_corpus_config(cfg: Any, plans: list[Any]) -> None:
     """Preflight of a corpus run: label-free terms only, a corpus given, sane corpus keys."""
     task = cfg.task
     for plan in plans:
-        bad = [t.key for t in plan.terms if t.spec.uses_labels or t.spec.reads_logits]
+        bad = [t.key for t in plan.terms if t.spec.reads_task_outputs]
         if bad or not plan.terms:
             what = f"terms {bad} need" if bad else "no loss terms: it trains on"
             raise ConfigError(
@@ -60,3 +66,22 @@ def check_corpus_config(cfg: Any, plans: list[Any]) -> None:
     if cfg.augmentation.name != "none":
         raise ConfigError(f"augmentation={cfg.augmentation.name} rewrites task sentences; a corpus task "
                           "distils on its own text (augmentation=none)")
+
+
+def check_task_objective(cfg: Any, plans: list[Any]) -> None:
+    """Preflight of a labelled task, the other side of check_corpus_config: a term must train its head,
+    and no term may read masked-LM outputs (only a corpus task masks tokens)."""
+    name = cfg.objective.name
+    twin = name.removesuffix("_general") if name.endswith("_general") else "ckd"
+    mlm = [t.key for p in plans for t in p.terms if MLM_NEED in t.spec.needs | t.spec.teacher_needs]
+    if mlm:
+        raise ConfigError(
+            f"objective '{name}': terms {mlm} match the masked-LM distribution on masked tokens, which only a "
+            f"corpus task (task.kind=corpus, e.g. task=wikipedia) provides; task '{cfg.task.name}' (task.kind="
+            f"{cfg.task.kind}) masks none. Distil on it with a task objective, e.g. objective={twin}")
+    if not any(t.spec.reads_task_outputs for p in plans for t in p.terms):
+        raise ConfigError(
+            f"objective '{name}' has no term that reads labels or task logits, so the {cfg.task.kind} head of "
+            f"task '{cfg.task.name}' would never be trained and its scores would be those of a random head. "
+            f"It is a general-distillation objective for corpus tasks (task=wikipedia / text_corpus); "
+            f"on this task use e.g. objective={twin}")

@@ -13,21 +13,12 @@ def load_general(ref: str, head: str, need_attentions: bool = False):
     A checkpoint without masked-LM weights cannot give a masked-LM distribution: that is a
     ConfigError naming it, not a silently random head."""
     from transformers import AutoConfig
-    from transformers.utils import logging as hf_logging
 
-    from kdrun import models as M
+    from kdrun.models import from_pretrained_quietly, missing_head_keys
 
-    config = AutoConfig.from_pretrained(ref)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        model, info = M._auto_class(head).from_pretrained(
-            ref, config=config, output_loading_info=True,
-            attn_implementation=M._attn_impl(need_attentions, config.model_type))
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    base = model.base_model_prefix
-    missing_head = [k for k in info.get("missing_keys", []) if not k.startswith(base + ".")]
+    model, info = from_pretrained_quietly(ref, head, AutoConfig.from_pretrained(ref), need_attentions,
+                                          output_loading_info=True)
+    missing_head = missing_head_keys(model, info)
     if head == "mlm" and missing_head:
         raise ConfigError(
             f"teacher '{ref}' has no masked-LM head (its checkpoint lacks {missing_head[0]} …): the mlm_kd term "

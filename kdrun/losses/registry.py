@@ -173,6 +173,11 @@ class LossSpec:
     reads_logits: bool = True
 
     @property
+    def reads_task_outputs(self) -> bool:
+        """Whether the term needs what only a labelled task has: gold labels or the task head's logits."""
+        return self.uses_labels or self.reads_logits
+
+    @property
     def param_names(self) -> frozenset[str]:
         return frozenset(f.name for f in fields(self.params))
 
