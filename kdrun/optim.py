@@ -80,6 +80,9 @@ def check_optimizer(opt: Mapping[str, Any], where: str, weight_decay: float = 0.
             raise ValueError(f"{where}.kwargs.{key}: set by the stage (its lr / weight_decay), not here")
         if key not in accepted:
             raise ValueError(f"{where}.kwargs.{key}: {name} takes no such argument; it takes {accepted}")
+        if key in IMPLEMENTATION_KWARGS and not isinstance(kwargs[key], bool) and kwargs[key] is not None:
+            raise ValueError(f"{where}.kwargs.{key}={kwargs[key]!r} must be true or false (torch would take any "
+                             "non-empty value as true)")
     if weight_decay and "weight_decay" not in inspect.signature(cls).parameters:
         raise ValueError(f"{where}.name={name} has no weight decay but the stage asks for "
                          f"weight_decay={weight_decay}; set the stage's weight_decay to 0")

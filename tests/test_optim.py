@@ -142,6 +142,7 @@ TINY_RUN = ["teacher=tiny_random", "student=tiny_random", "logger=none", "task=t
     (["train.optimizer.kwargs={betaz: [0.9, 0.98]}"], r"train.optimizer.kwargs.betaz: AdamW takes no such .*'betas'"),
     (["train.optimizer.kwargs={lr: 0.1}"], r"train.optimizer.kwargs.lr: set by the stage"),
     (["train.optimizer.kwargs={betas: [0.9, 1.5]}"], r"train.optimizer.kwargs=.*AdamW refuses them"),
+    (["train.optimizer.kwargs={fused: maybe}"], r"train.optimizer.kwargs.fused='maybe' must be true or false"),
     (["train.optimizer.name=Rprop"], r"train.optimizer.name=Rprop has no weight decay"),
     (["train.scheduler=step"], r"train.scheduler='step' is not a schedule; choose one of \['linear', 'cosine', "),
     (["objective.stages.0.scheduler=exp"], r"objective.stages\[0\].scheduler='exp'"),
