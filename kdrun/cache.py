@@ -227,6 +227,15 @@ def remove_stale_staging(kind_dir: Path, held_key: str) -> list[Path]:
     return removed
 
 
+def wait_for_entry(root: str | os.PathLike, kind: str, key: str, poll_s: float = 2.0) -> Path:
+    """Wait until another process (rank 0 of a data-parallel run) has published the entry ``key``;
+    no collective is used, so a build longer than the process group's timeout is fine."""
+    entry = Path(root).expanduser() / kind / key
+    while not is_complete(entry):
+        time.sleep(poll_s)
+    return entry
+
+
 def get_or_build(root: str | os.PathLike, kind: str, key: str, build: Callable[[Path], None],
                  resumable: bool = False) -> tuple[Path, bool]:
     """Return (entry dir, was_cached). ``build(tmp_dir)`` fills a fresh directory when missing.

@@ -94,8 +94,19 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints" / "last"
 
 
-def save_checkpoint(parts: RunParts, state: TrainState, optimizer, scheduler) -> None:
-    """Atomically replace checkpoints/last with the current training state."""
+def _rng_states(parts: RunParts) -> list[dict[str, Any]]:
+    """Every process's RNG state, in rank order (each process draws its own dropout masks)."""
+    if parts.world_size <= 1:
+        return [rng_state()]
+    from accelerate.utils import gather_object
+
+    return gather_object([rng_state()])
+
+
+def save_checkpoint(parts: RunParts, state: TrainState, optimizer, scheduler, precision=None) -> None:
+    """Atomically replace checkpoints/last with the current training state (called on every
+    process: the RNG states of all of them are kept; the main process writes)."""
+    rngs = _rng_states(parts)
     if not parts.accelerator.is_main_process:
         return
     final = checkpoint_dir(parts.run_dir)
@@ -105,7 +116,8 @@ def save_checkpoint(parts: RunParts, state: TrainState, optimizer, scheduler) ->
         torch.save(
             {"optimizer": optimizer.state_dict() if optimizer else None,
              "scheduler": scheduler.state_dict() if scheduler else None,
-             "rng": rng_state()},
+             "scaler": precision.state_dict() if precision is not None else None,
+             "rng": rngs[0], "rng_per_rank": rngs},
             tmp / "optim_rng.pt",
         )
         log = parts.tracker.path if parts.tracker is not None else None
@@ -138,14 +150,28 @@ def rewind_metrics_log(run_dir: Path) -> None:
             f.truncate(size)
 
 
-def load_optim_rng(resume_from: Path, optimizer, scheduler) -> None:
-    """Restore a stage's optimizer and scheduler (unless the checkpoint closed the previous stage)
-    and the RNG states from ``resume_from``."""
+def load_optim_rng(resume_from: Path, optimizer, scheduler, rank: int = 0, precision=None) -> None:
+    """Restore a stage's optimizer and scheduler (unless the checkpoint closed the previous stage),
+    the loss scaler and this process's RNG states from ``resume_from``."""
     blob = torch.load(resume_from / "optim_rng.pt", weights_only=True, map_location="cpu")
     if blob["optimizer"] is not None:  # None: the checkpoint closed the previous stage
         optimizer.load_state_dict(blob["optimizer"])
         scheduler.load_state_dict(blob["scheduler"])
-    set_rng_state(blob["rng"])
+    if precision is not None:
+        precision.load_state_dict(blob.get("scaler"))
+    per_rank = blob.get("rng_per_rank") or [blob["rng"]]
+    if rank >= len(per_rank):
+        raise ConfigError(f"{resume_from} was written by {len(per_rank)} process(es); resume it with as many "
+                          "(or start over with resume=false)")
+    set_rng_state(per_rank[rank])
+
+
+def seed_for_rank(seed: int, rank: int) -> None:
+    """Reseed process ``rank`` of a data-parallel run so that its dropout masks differ from the
+    other processes' (rank 0 keeps ``seed``: a one-process run is unchanged). Data order is drawn
+    from its own generators and stays global."""
+    if rank > 0:
+        seed_everything(seed + 1_000_003 * rank)
 
 
 def save_best(parts: RunParts, state: TrainState) -> None:

@@ -161,6 +161,9 @@ class ModelConfig:
     dropout: Optional[float] = None
     # Teacher only: a fine-tuned checkpoint directory to load instead of fine-tuning.
     checkpoint: Optional[str] = None
+    # Teacher only: the dtype of the frozen teacher's weights while distilling: ``auto`` (the
+    # training precision: bf16/fp16 under mixed precision, fp32 otherwise), ``fp32``, ``bf16``, ``fp16``.
+    dtype: str = "auto"
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
 
@@ -312,7 +315,8 @@ class TrainConfig:
     lr: Optional[float] = None
     # ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
     device: str = "auto"
-    # ``auto`` = bf16 on CUDA when supported, fp16 + grad scaler otherwise on CUDA, fp32 on CPU.
+    # ``auto`` = bf16 on a GPU that computes it natively (Ampere+), fp16 + grad scaler on older GPUs,
+    # fp32 on CPU; ``fp32``, ``bf16``, ``fp16`` force one (on CPU too: kdrun/precision.py).
     precision: str = "auto"
     gradient_accumulation_steps: int = 1
     max_grad_norm: float = 1.0
@@ -331,10 +335,20 @@ class TrainConfig:
     group_by_length: bool = True
     # Pad every batch to max_seq_length (the naive way; for benchmarks).
     pad_to_max_length: bool = False
-    num_workers: int = 0
+    # Data-loading processes: an integer >= 0 (0 = collate batches in the training process) or
+    # ``auto``: 0 on CPU (workers would compete with the compute threads), min(4, half the cores)
+    # on CUDA (kdrun.data.pipeline.resolve_num_workers). Batches and their order do not depend on it.
+    num_workers: Any = "auto"
     # Compute threads of this run (null: OMP_NUM_THREADS if exported, SLURM's cpus_per_task in a
     # SLURM job, else the machine's cores divided by the kdrun runs alive on it; kdrun/threads.py).
     num_threads: Optional[int] = None
+    # Several processes (DDP): search for parameters without gradients every step. null = only in
+    # stages whose loss can leave some unused (no term reads the task logits, or DynaBERT sub-networks).
+    find_unused_parameters: Optional[bool] = None
+    # torch.compile the student and the teacher (kdrun's feature hooks stay registered);
+    # compile_backend: a torch.compile backend (inductor needs a C++ compiler).
+    compile: bool = False
+    compile_backend: str = "inductor"
     # Testing aid: stop (as if killed) after this many optimizer steps of the run, leaving the
     # checkpoints for a resume.
     stop_after_steps: Optional[int] = None

@@ -67,6 +67,7 @@ def _start_over(run_dir: Path) -> None:
         os.replace(run_dir / "results.json", run_dir / "results.previous.json")
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    (run_dir / "wandb_id.txt").unlink(missing_ok=True)  # a fresh start is a new wandb run (kdrun.tracking)
 
 
 def run_config_hash(resolved: dict[str, Any]) -> str:
@@ -86,26 +87,22 @@ def run_config_hash(resolved: dict[str, Any]) -> str:
 
 
 def make_accelerator(train_cfg: Any):
+    """The run's accelerator: device and processes from Accelerate, precision from kdrun.precision
+    (``acc.precision``: autocast dtype and the run's one gradient scaler)."""
     import torch
-    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from kdrun.precision import make_kd_accelerator, resolve_precision
 
     cpu = train_cfg.device == "cpu" or (train_cfg.device == "auto" and not torch.cuda.is_available())
     if train_cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
-    precision = train_cfg.precision
-    if precision == "auto":
-        precision = "no" if cpu else ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
-    elif precision == "fp32":
-        precision = "no"
-    if cpu and precision == "fp16":
-        raise ConfigError("train.precision=fp16 needs CUDA; use bf16 or fp32 on CPU")
-    from accelerate.utils import DistributedDataParallelKwargs
-
-    # Stages train different parts of the student (an intermediate-layer stage leaves the
-    # classifier unused), so DDP must tolerate parameters without gradients; buffers are constant.
+    precision = resolve_precision(train_cfg.precision, "cpu" if cpu else "cuda")
+    # Buffers are constant; whether DDP must tolerate parameters without gradients is decided per
+    # stage (kdrun.trainer.wrap_for_stage), this is only the first wrap.
     ddp = DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)
-    return Accelerator(cpu=cpu, mixed_precision=precision, kwargs_handlers=[ddp],
-                       gradient_accumulation_steps=train_cfg.gradient_accumulation_steps)
+    return make_kd_accelerator(cpu, precision, kwargs_handlers=[ddp],
+                               gradient_accumulation_steps=train_cfg.gradient_accumulation_steps)
 
 
 def _print_table(summary: dict[str, Any]) -> None:
@@ -274,13 +271,16 @@ def _augmented_data(cfg: DictConfig, train_raw, tokenizer, tok_hash: str, span_e
 
 def make_tracker(session: Session):
     """metrics.jsonl (and wandb when configured), on the main process only."""
-    from kdrun.tracking import Tracker
+    from kdrun.checkpoints import checkpoint_dir
+    from kdrun.tracking import Tracker, wandb_run_id
 
     cfg = session.cfg
     run_name = cfg.run_name or f"{cfg.task.name}-{cfg.objective.name}-{cfg.student.name}"
-    run_id = f"{run_name}-{session.config_hash}"[:120]
-    return Tracker(session.run_dir, cfg.logger, {**session.resolved, "_run_id": run_id}, run_name,
-                   enabled=session.accelerator.is_main_process)
+    main, run_id = session.accelerator.is_main_process, None
+    if main and cfg.logger.name == "wandb" and cfg.logger.mode != "disabled":  # the same wandb run only on a resume
+        resuming = bool(cfg.resume) and (checkpoint_dir(session.run_dir) / "state.json").exists()
+        run_id = wandb_run_id(session.run_dir, run_name, session.config_hash, resuming=resuming)
+    return Tracker(session.run_dir, cfg.logger, session.resolved, run_name, enabled=main, run_id=run_id)
 
 
 def make_parts(session: Session, data: RunData, models: Models):
@@ -304,6 +304,7 @@ def make_parts(session: Session, data: RunData, models: Models):
 def load_teacher(session: Session, data: RunData) -> Models:
     """The frozen teacher: teacher.checkpoint, or fine-tuned on the task (cached); None without one."""
     from kdrun import models as M
+    from kdrun.cache import wait_for_entry
     from kdrun.teacher import fine_tune_teacher, get_teacher, teacher_cache_key
     from kdrun.trainer import evaluate
 
@@ -334,7 +335,9 @@ def load_teacher(session: Session, data: RunData) -> Models:
             return M.load_classifier(refs["teacher"], num_labels, dropout=tc.dropout, head=head)
 
         key = teacher_cache_key(cfg, refs.get("teacher", "random"), data.data_hash, data.tok_hash,
-                                acc.mixed_precision)
+                                acc.precision.name)
+        if acc.num_processes > 1 and not acc.is_main_process:  # rank 0 fine-tunes; the others reuse its entry
+            wait_for_entry(cfg.cache_dir, "teachers", key)
         teacher, info = get_teacher(
             cfg.cache_dir, key,
             lambda out: fine_tune_teacher(out, new_teacher, cfg, acc, data.train, data.eval, data.tokenizer),
@@ -346,8 +349,34 @@ def load_teacher(session: Session, data: RunData) -> Models:
     for p in teacher.parameters():
         p.requires_grad_(False)
     teacher.eval()
-    return Models(teacher, info, time.perf_counter() - t0,
-                  teacher_arch=M.describe(acc.unwrap_model(teacher)))
+    arch = M.describe(acc.unwrap_model(teacher))
+    teacher = compiled(session, cast_teacher(acc.unwrap_model(teacher), cfg.teacher.dtype, acc.precision))
+    return Models(teacher, info, time.perf_counter() - t0, teacher_arch=arch)
+
+
+def cast_teacher(teacher, dtype: str, precision):
+    """The frozen teacher in ``teacher.dtype`` (``auto``: the training precision's dtype, so a
+    mixed-precision run keeps no fp32 copy of it and its features need no casts)."""
+    import torch
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype == "auto":
+        target = precision.dtype or torch.float32
+    elif dtype in dtypes:
+        target = dtypes[dtype]
+    else:
+        raise ConfigError(f"teacher.dtype={dtype!r} is not one of auto, {', '.join(dtypes)}")
+    return teacher.to(target) if target != torch.float32 else teacher
+
+
+def compiled(session: Session, model):
+    """``model`` under torch.compile when train.compile is set (kdrun's feature hooks are
+    registered on the original modules, so they stay in place)."""
+    if not session.cfg.train.compile:
+        return model
+    import torch
+
+    return torch.compile(model, backend=session.cfg.train.compile_backend)
 
 
 def build_student(session: Session, data: RunData, models: Models) -> Models:
@@ -370,7 +399,9 @@ def build_student(session: Session, data: RunData, models: Models) -> Models:
     models.student_info = M.describe(student)
     models.objective = Objective(session.pre["plans"], session.pre["mapping"], cfg.task.num_labels,
                                  models.student_info, models.teacher_arch)
-    models.student = acc.prepare_model(student)
+    # Several processes: the trainer wraps the student in DDP per stage (kdrun.trainer.wrap_for_stage).
+    student = compiled(session, student)
+    models.student = acc.prepare_model(student) if acc.num_processes == 1 else student.to(acc.device)
     models.objective.to(acc.device)
     return models
 
@@ -408,7 +439,7 @@ def _new_student(session: Session, data: RunData, teacher):
 
 def train_stages(session: Session, parts, progress: dict[str, Any] | None = None) -> tuple[Any, float]:
     """Run the objective's stages in order, resuming from checkpoints/last when present."""
-    from kdrun.checkpoints import rewind_metrics_log
+    from kdrun.checkpoints import rewind_metrics_log, seed_for_rank
     from kdrun.preemption import Interrupted, PreemptionGuard
     from kdrun.trainer import TrainState, checkpoint_dir, load_checkpoint_state, restore_models, run_stage
 
@@ -423,6 +454,7 @@ def train_stages(session: Session, parts, progress: dict[str, Any] | None = None
         print(f"[kdrun] resuming at stage {state.stage} step {state.global_step} from {ckpt}")
     else:
         state = TrainState()
+        seed_for_rank(session.cfg.train.seed, session.accelerator.process_index)  # per-process dropout
     if progress is not None:  # error.json says how far a failed run got
         progress["state"] = state
     resume_from = ckpt if state.global_step > 0 or state.stage > 0 else None
@@ -501,7 +533,7 @@ def _summary(session: Session, data: RunData, models: Models, state, final_metri
         "git_sha": _git_sha(),
         "device": str(session.accelerator.device),
         "processes": session.accelerator.num_processes,
-        "precision": session.accelerator.mixed_precision,
+        "precision": session.accelerator.precision.name,
         "command": " ".join(sys.argv),
     }
 

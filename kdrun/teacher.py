@@ -59,6 +59,7 @@ TEACHER_NOT_IN_KEY = {
     "checkpoint": "a given checkpoint is loaded as it is: nothing is fine-tuned or cached",
     "source": "for truncated students only (teacher.kind=truncated is refused)",
     "num_layers": "for truncated students only (teacher.kind=truncated is refused)",
+    "dtype": "the frozen teacher's dtype while distilling; it fine-tunes under the run's precision (keyed)",
 }
 
 # task.*: in the key as they are (how the rows are used; which rows there are is in the data hash).
@@ -122,6 +123,9 @@ TRAIN_NOT_IN_KEY = {
                        "dev scores that select the kept teacher)",
     "num_workers": "data-loading processes; the batches and their order come from the sampler",
     "num_threads": "compute threads: they change floating-point summation order only",
+    "find_unused_parameters": "DDP's search for unused parameters; the teacher fine-tunes on one process",
+    "compile": "compiles the distillation's models; the teacher fine-tunes uncompiled",
+    "compile_backend": "compiles the distillation's models; the teacher fine-tunes uncompiled",
     "checkpoint_every_steps": "how often the fine-tuning saves its progress (in the entry's staging directory); "
                               "a resume continues bit for bit, so it cannot change the weights",
 }
@@ -217,20 +221,19 @@ def _train_resumably(parts: Any, plan: StagePlan, out: Path) -> None:
 @contextmanager
 def teacher_accelerator(accelerator: Any, gradient_accumulation_steps: int) -> Iterator[None]:
     """Fine-tune the teacher on the run's accelerator with its own gradient accumulation, from and
-    back to a fresh accumulation counter and loss scale: neither the student's settings nor a cache
-    hit or miss leaks from one model's training into the other's."""
+    back to a fresh accumulation counter, with a loss scaler of its own: neither the student's
+    settings nor a cache hit or miss leaks from one model's training into the other's."""
     saved = accelerator.gradient_accumulation_steps
-    scaler = getattr(accelerator, "scaler", None)
-    scaler_state = scaler.state_dict() if scaler is not None else None
+    precision = accelerator.precision
     accelerator.gradient_accumulation_steps = gradient_accumulation_steps
     accelerator.step = 0
+    accelerator.precision = precision.fresh()
     try:
         yield
     finally:
         accelerator.gradient_accumulation_steps = saved
         accelerator.step = 0
-        if scaler_state:
-            scaler.load_state_dict(scaler_state)
+        accelerator.precision = precision
 
 
 def finetune_plan(finetune_cfg: Any) -> StagePlan:

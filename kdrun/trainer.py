@@ -36,6 +36,7 @@ from kdrun.grad_shares import grad_share_logs
 from kdrun.objective import Objective, StagePlan
 from kdrun.optim import build_optimizer, build_scheduler, stage_optim
 from kdrun.preemption import Interrupted, PreemptionGuard
+from kdrun.syncs import host_section
 
 
 class TrainingDiverged(UserError, RuntimeError):
@@ -79,19 +80,6 @@ class RunParts:
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def _clone_features(f: Features) -> Features:
-    """Turn inference-mode tensors into ordinary ones so they can take part in autograd graphs."""
-    return Features(
-        logits=f.logits.clone() if f.logits is not None else None,
-        mlm_logits=f.mlm_logits.clone() if f.mlm_logits is not None else None,
-        attention_mask=f.attention_mask,
-        hidden_states=tuple(h.clone() for h in f.hidden_states) if f.hidden_states is not None else None,
-        attentions=tuple(a.clone() for a in f.attentions) if f.attentions is not None else None,
-        spans=f.spans,
-        extra={k: v.clone() if torch.is_tensor(v) else v for k, v in f.extra.items()},
-    )
 
 
 # -------------------------------------------------------------------------------------- evaluation
@@ -177,26 +165,25 @@ def _average_objective_grads(objective: Objective, world_size: int) -> None:
         offset += g.numel()
 
 
-def _loss_scale(acc) -> float:
-    scaler = getattr(acc, "scaler", None)
-    return float(scaler.get_scale()) if scaler is not None else 1.0
-
-
 def _is_log_step(stage_step: int, every: int, total_steps: int) -> bool:
     return stage_step % every == 0 or stage_step == total_steps
 
 
-def _stop_requested(parts: RunParts) -> bool:
-    """Whether a termination signal arrived (on any process: all of them stop at the same step)."""
+def _stop_requested(parts: RunParts, at_log_step: bool) -> bool:
+    """Whether a termination signal arrived. One process reads its own flag every step; several
+    agree at logging steps only (an all-reduce and a host read), so all of them stop at the same step."""
     if parts.guard is None:
         return False
     flag = parts.guard.pending
     if parts.world_size > 1:
+        if not at_log_step:
+            return False
         import torch.distributed as dist
 
-        t = torch.tensor([1.0 if flag else 0.0], device=parts.accelerator.device)
-        dist.all_reduce(t)
-        anywhere = t.item() > 0
+        with host_section():
+            t = torch.tensor([1.0 if flag else 0.0], device=parts.accelerator.device)
+            dist.all_reduce(t)
+            anywhere = t.item() > 0
         if anywhere and not flag:  # another process was signalled: stop here too, as for SIGTERM
             parts.guard.received = int(signal.SIGTERM)
         flag = anywhere
@@ -241,22 +228,61 @@ def _teacher_logit_table(parts: RunParts, plan: StagePlan) -> torch.Tensor:
 
 @dataclass
 class _Meter:
-    """Loss values, throughput and gradient shares since the last log line."""
+    """Loss values (device tensors: no host read per step), throughput and gradient shares since
+    the last log line."""
 
-    sums: dict[str, float] = field(default_factory=dict)
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
     batches: int = 0
     examples: int = 0
     tokens: int = 0
     since: float = field(default_factory=time.perf_counter)
     shares: dict[str, float] = field(default_factory=dict)
 
-    def add(self, values: dict[str, torch.Tensor], loss: torch.Tensor, batch: dict[str, Any]) -> None:
-        for k, v in values.items():
-            self.sums[k] = self.sums.get(k, 0.0) + float(v)
-        self.sums["loss"] = self.sums.get("loss", 0.0) + float(loss.detach())
+    def add(self, values: dict[str, torch.Tensor], loss: torch.Tensor, examples: int, tokens: int) -> None:
+        for k, v in {**values, "loss": loss}.items():
+            v = v.detach().float()
+            self.sums[k] = self.sums[k] + v if k in self.sums else v
         self.batches += 1
-        self.examples += int(batch["input_ids"].shape[0])
-        self.tokens += int(batch["attention_mask"].sum())
+        self.examples += examples
+        self.tokens += tokens
+
+
+@dataclass
+class FiniteWatch:
+    """Whether a loss or term became NaN/inf, kept on the device and read at logging, evaluation and
+    checkpoint steps (:meth:`check`), so the training step never waits for the host. A checkpoint
+    is never written after a non-finite step: the last one kept is the last good one."""
+
+    keys: list[str] = field(default_factory=list)
+    bad: torch.Tensor | None = None  # (1 + terms,) bool: ever non-finite since the stage began
+    first_step: torch.Tensor | None = None  # step of the first non-finite loss (-1: none)
+    first_values: torch.Tensor | None = None  # the loss and terms at that step
+
+    def add(self, loss: torch.Tensor, values: dict[str, torch.Tensor], step: int) -> None:
+        vec = torch.stack([loss.detach().float(), *(v.detach().float().reshape(()) for v in values.values())])
+        now = ~torch.isfinite(vec)
+        if self.bad is None or len(self.keys) != vec.numel():
+            self.keys = ["total (weighted sum)", *values]
+            self.bad, self.first_values = now, vec
+            self.first_step = torch.full((), -1, dtype=torch.long, device=vec.device)
+        new = now.any() & (self.first_step < 0)
+        self.first_step = torch.where(new, torch.tensor(step), self.first_step)
+        self.first_values = torch.where(new, vec, self.first_values)
+        self.bad = self.bad | now
+
+    def check(self, plan: StagePlan, run_dir: Path) -> None:
+        """Raise :class:`TrainingDiverged` naming the stage, step and terms (a host read)."""
+        with host_section():
+            if self.bad is None or not bool(self.bad.any()):
+                return
+            bad = self.bad.tolist()
+            terms = [k for k, b in zip(self.keys[1:], bad[1:]) if b] or [self.keys[0]]
+            shown = {k: float(v) for k, v in zip(self.keys, self.first_values.tolist())}
+            step = int(self.first_step)
+        raise TrainingDiverged(
+            f"stage '{plan.name}': loss term(s) {', '.join(terms)} became non-finite at step {step} "
+            f"(values: {shown}). The last good checkpoint is kept in {checkpoint_dir(run_dir)}; lower the "
+            "lr or the term's weight, or check the inputs.")
 
 
 @dataclass
@@ -278,8 +304,10 @@ class StageLoop:
     # logger.grad_shares: the parameters per-term gradients are measured on (last micro-batch of a logged step).
     share_params: list[torch.Tensor] | None = None
     meter: _Meter = field(default_factory=_Meter)
-    # DynaBERT's width / depth phases (kdrun/dynabert/train.py): the stage's sub-networks and teacher.
-    adaptive: Any = None
+    watch: FiniteWatch = field(default_factory=FiniteWatch)
+    # How a micro-batch becomes forward passes: PlainStep, or DynaBERT's sub-network loop
+    # (kdrun/dynabert/train.py AdaptiveStage, for stages with adaptive.phase).
+    strategy: Any = None
 
 
 def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from: Path | None) -> StageLoop:
@@ -296,13 +324,14 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
     from kdrun.dynabert.train import start_adaptive
 
     adaptive = start_adaptive(parts, plan, state)  # None unless the stage sets adaptive.phase
+    wrap_for_stage(parts, plan, adaptive is not None)
     batches_per_epoch = len(sampler.batches())
     steps_per_epoch = max(1, batches_per_epoch // tcfg.gradient_accumulation_steps)
     total_steps = max(1, math.ceil(cfg["epochs"] * steps_per_epoch))
-    optimizer = acc.prepare_optimizer(make_optimizer(parts, plan), device_placement=False)
+    optimizer = make_optimizer(parts, plan)  # the stage's own; the run's one scaler unscales it
     scheduler = make_scheduler(plan, tcfg, optimizer, total_steps)
     if resume_from is not None:
-        load_optim_rng(resume_from, optimizer, scheduler)
+        load_optim_rng(resume_from, optimizer, scheduler, rank=parts.rank, precision=acc.precision)
     table = None
     if (plan.uses_teacher and plan.teacher_logits_only and tcfg.cache_teacher_logits and cfg["data"] == "original"
             and adaptive is None):
@@ -312,13 +341,49 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
                 disable=not acc.is_main_process, dynamic_ncols=True, mininterval=2.0)
     return StageLoop(plan, loader, sampler, optimizer, scheduler, batches_per_epoch, total_steps,
                      num_epochs=math.ceil(total_steps / steps_per_epoch), pbar=pbar, log_every=max(1, parts.log_every),
-                     teacher_table=table, adaptive=adaptive,
+                     teacher_table=table, strategy=adaptive or PlainStep(),
                      share_params=[p for p in parts.student.parameters() if p.requires_grad] if measure else None)
 
 
-# ------------------------------------------------------------------------------------------ the step
+def leaves_parameters_unused(plan: StagePlan, adaptive: bool) -> bool:
+    """Whether the stage's loss can leave some of the student's parameters without a gradient (DDP
+    must then search for them every step): unless some term reads the task head's logits (the
+    whole network up to the head is then in the graph), or when sub-networks are trained."""
+    return adaptive or not any(t.spec.reads_logits for t in plan.terms) or not plan.terms
 
-def _teacher_features(parts: RunParts, loop: StageLoop, batch: dict[str, Any]) -> Features | None:
+
+def wrap_for_stage(parts: RunParts, plan: StagePlan, adaptive: bool) -> None:
+    """With several processes, (re)wrap the student in DDP with ``find_unused_parameters`` only for
+    stages that need it (``train.find_unused_parameters`` forces a choice)."""
+    if parts.world_size <= 1:
+        return
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    forced = getattr(parts.train_cfg, "find_unused_parameters", None)
+    want = bool(forced) if forced is not None else leaves_parameters_unused(plan, adaptive)
+    if isinstance(parts.student, DDP) and parts.student.find_unused_parameters == want:
+        return
+    module = parts.accelerator.unwrap_model(parts.student)
+    if isinstance(parts.student, DDP):  # the previous stage's wrapper stops reducing gradients
+        parts.student.reducer._remove_autograd_hooks()
+    cuda = parts.accelerator.device.type == "cuda"
+    parts.student = DDP(module, device_ids=[parts.accelerator.local_process_index] if cuda else None,
+                        find_unused_parameters=want, broadcast_buffers=False)
+
+
+# ------------------------------------------------------------------------------------------ the step
+#
+# One engine for every objective, device and precision. A step is: the stage's strategy runs one
+# or more forward passes (PlainStep: the student once; DynaBERT's AdaptiveStage: every
+# sub-network) and gives each pass's loss to ``backward``; at an accumulation boundary
+# ``optimizer_step`` averages the objective's gradients across processes, unscales once, clips and
+# steps. Models run under autocast; the objective runs outside it, so every term computes in fp32.
+# Nothing in a step reads a device value on the host: meters and the non-finite check stay on the
+# device and are read at logging, evaluation and checkpoint steps (kdrun.syncs.host_section).
+
+def teacher_features(parts: RunParts, loop: StageLoop, batch: dict[str, Any]) -> Features | None:
+    """The frozen teacher's features for ``batch`` (from the stage's logit table when cached);
+    under ``no_grad`` (not inference mode), so they join the student's graph without copies."""
     if not loop.plan.uses_teacher:
         return None
     if loop.teacher_table is not None:
@@ -326,63 +391,90 @@ def _teacher_features(parts: RunParts, loop: StageLoop, batch: dict[str, Any]) -
         if logits.dim() == 3:  # QA: the table is as wide as the widest window, the batch as its own
             logits = logits[:, : batch["attention_mask"].shape[1]]
         return Features(logits=logits, attention_mask=batch["attention_mask"])
-    with torch.inference_mode():
-        feats = extract_features(parts.teacher, batch, loop.plan.teacher_needs)
-    return _clone_features(feats)
+    with torch.no_grad(), parts.accelerator.autocast():
+        return extract_features(parts.teacher, batch, loop.plan.teacher_needs)
 
 
-def _check_finite(parts: RunParts, plan: StagePlan, state: TrainState, loss: torch.Tensor,
-                  values: dict[str, torch.Tensor]) -> None:
-    if torch.isfinite(loss):
-        return
-    bad = [k for k, v in values.items() if not torch.isfinite(v)] or ["total (weighted sum)"]
-    raise TrainingDiverged(
-        f"stage '{plan.name}': loss term(s) {', '.join(bad)} became non-finite at step "
-        f"{state.global_step + 1} (values: { {k: float(v) for k, v in values.items()} }). "
-        f"The last good checkpoint is kept in {checkpoint_dir(parts.run_dir)}; lower the lr "
-        "or the term's weight, or check the inputs."
-    )
+def objective_loss(parts: RunParts, loop: StageLoop, batch: dict[str, Any], state: TrainState,
+                   s_feats: Features, t_feats: Features | None, layer_pairs=None,
+                   weighted: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The stage's weighted loss (fp32, outside autocast) and its terms' values; recorded by the
+    stage's non-finite watch."""
+    with torch.autocast(device_type=parts.accelerator.device.type, enabled=False):
+        loss, values = parts.objective(loop.plan.index, s_feats, t_feats, batch, step=state.global_step,
+                                       weighted=weighted, layer_pairs=layer_pairs)
+    loop.watch.add(loss, values, state.global_step + 1)
+    return loss, values
+
+
+class PlainStep:
+    """The default strategy: one forward pass of the student per micro-batch."""
+
+    def passes(self, parts: RunParts, loop: StageLoop, batch: dict[str, Any], state: TrainState):
+        """Yield (loss, values) of each forward pass; the engine runs ``backward`` on each loss."""
+        acc = parts.accelerator
+        logged = acc.sync_gradients and _is_log_step(state.stage_step + 1, loop.log_every, loop.total_steps)
+        weighted = {} if loop.share_params and logged else None
+        with acc.autocast():
+            s_feats = extract_features(parts.student, batch, loop.plan.student_needs)
+        t_feats = teacher_features(parts, loop, batch)
+        loss, values = objective_loss(parts, loop, batch, state, s_feats, t_feats, weighted=weighted)
+        if weighted:  # logger.grad_shares: a logging step, where host reads are allowed
+            with host_section():
+                loop.meter.shares = grad_share_logs(weighted, loop.share_params, acc.precision.loss_scale())
+        yield loss, values
+
+    def combine(self, results: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]):
+        return results[0]
+
+
+def backward(parts: RunParts, loss: torch.Tensor) -> None:
+    """Backward of one pass's loss, scaled for fp16 and divided by the accumulation steps."""
+    parts.accelerator.backward(parts.accelerator.precision.scale(loss))
+
+
+def optimizer_step(parts: RunParts, loop: StageLoop) -> None:
+    """At an accumulation boundary: average the objective's gradients across processes, unscale
+    once, clip, step (skipped by the fp16 scaler on inf/NaN gradients), zero the gradients."""
+    prec = parts.accelerator.precision
+    if parts.world_size > 1:
+        _average_objective_grads(parts.objective, parts.world_size)
+    prec.unscale_(loop.optimizer)
+    if parts.train_cfg.max_grad_norm:
+        params = [p for p in (*parts.student.parameters(), *parts.objective.parameters()) if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, parts.train_cfg.max_grad_norm)
+    prec.step(loop.optimizer)
+    loop.optimizer.zero_grad(set_to_none=True)
 
 
 def train_step(parts: RunParts, loop: StageLoop, batch: dict[str, Any],
                state: TrainState) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One micro-batch: forward, weighted loss, backward; at an accumulation boundary also clipping
-    and the optimizer step. Returns the loss and the terms' values."""
-    if loop.adaptive is not None:  # every sub-network's loss, one update (DynaBERT)
-        return loop.adaptive.step(parts, loop, batch, state)
-    acc, plan, student = parts.accelerator, loop.plan, parts.student
-    with acc.accumulate(student):
-        with acc.autocast():
-            s_feats = extract_features(student, batch, plan.student_needs)
-            t_feats = _teacher_features(parts, loop, batch)
-            logged_step = acc.sync_gradients and _is_log_step(state.stage_step + 1, loop.log_every, loop.total_steps)
-            weighted = {} if loop.share_params and logged_step else None
-            loss, values = parts.objective(plan.index, s_feats, t_feats, batch, step=state.global_step,
-                                           weighted=weighted)
-        _check_finite(parts, plan, state, loss, values)
-        if weighted:
-            loop.meter.shares = grad_share_logs(weighted, loop.share_params, _loss_scale(acc))
-        acc.backward(loss)
-        if acc.sync_gradients and parts.world_size > 1:
-            _average_objective_grads(parts.objective, parts.world_size)
-        if acc.sync_gradients and parts.train_cfg.max_grad_norm:
-            acc.clip_grad_norm_(list(student.parameters()) + list(parts.objective.parameters()),
-                                parts.train_cfg.max_grad_norm)
-        loop.optimizer.step()  # a no-op between accumulation boundaries (Accelerate's optimizer)
-        loop.optimizer.zero_grad(set_to_none=True)
-    return loss, values
+    """One micro-batch: the strategy's forward passes, each with its backward; at an accumulation
+    boundary also the optimizer step. Returns the (detached) loss and the values to log."""
+    acc = parts.accelerator
+    with acc.accumulate(parts.student):
+        results = []
+        for loss, values in loop.strategy.passes(parts, loop, batch, state):
+            backward(parts, loss)
+            results.append((loss.detach(), values))
+        if acc.sync_gradients:
+            optimizer_step(parts, loop)
+    return loop.strategy.combine(results)
 
 
 # ------------------------------------------------------------------------------------- bookkeeping
 
 def _log(parts: RunParts, loop: StageLoop, state: TrainState) -> None:
-    """Log the mean losses, lr, throughput and gradient shares since the last log line; start over."""
+    """Log the mean losses, lr, throughput and gradient shares since the last log line; start over.
+    The one place the step's device-side meters are read."""
     m = loop.meter
     dt = max(time.perf_counter() - m.since, 1e-9)
-    logs = {f"train/{k}": v / m.batches for k, v in m.sums.items()}
+    logs = {f"train/{k}": float(v) / m.batches for k, v in m.sums.items()}
     logs.update({"train/lr": loop.scheduler.get_last_lr()[0], "train/examples_per_s": m.examples / dt,
                  "train/tokens_per_s": m.tokens / dt, "stage": loop.plan.name,
                  "epoch": state.epoch + state.batch_in_epoch / loop.batches_per_epoch})
+    if parts.accelerator.precision.scaler is not None:
+        logs["train/loss_scale"] = parts.accelerator.precision.loss_scale()
     logs.update({f"objective/{k}": v for k, v in parts.objective.log_values(loop.plan.index).items()})
     logs.update(m.shares)
     parts.tracker.log(logs, step=state.global_step)
@@ -406,18 +498,27 @@ def evaluate_stage(parts: RunParts, plan: StagePlan, state: TrainState, tag: str
 
 
 def after_step(parts: RunParts, loop: StageLoop, state: TrainState) -> bool:
-    """Log, evaluate, checkpoint or stop after an optimizer step; True when the stage is done."""
+    """Log, evaluate, checkpoint or stop after an optimizer step; True when the stage is done. Only
+    steps that log, evaluate or checkpoint read device values (the non-finite watch first)."""
     tcfg, eval_every, ckpt_every = parts.train_cfg, loop.plan.cfg.get("eval_every_steps"), \
         parts.train_cfg.checkpoint_every_steps
     within = state.stage_step < loop.total_steps
-    if _is_log_step(state.stage_step, loop.log_every, loop.total_steps):
-        _log(parts, loop, state)
-    if eval_every and state.stage_step % eval_every == 0 and within:
-        evaluate_stage(parts, loop.plan, state, "steps")
-    if ckpt_every and state.global_step % ckpt_every == 0 and within:
-        save_checkpoint(parts, state, loop.optimizer, loop.scheduler)
-    if _stop_requested(parts):
-        save_checkpoint(parts, state, loop.optimizer, loop.scheduler)
+    log = _is_log_step(state.stage_step, loop.log_every, loop.total_steps)
+    do_eval = bool(eval_every) and state.stage_step % eval_every == 0 and within
+    ckpt = bool(ckpt_every) and state.global_step % ckpt_every == 0 and within
+    if log or do_eval or ckpt:
+        with host_section():
+            loop.watch.check(loop.plan, parts.run_dir)
+            if log:
+                _log(parts, loop, state)
+            if do_eval:
+                evaluate_stage(parts, loop.plan, state, "steps")
+            if ckpt:
+                save_checkpoint(parts, state, loop.optimizer, loop.scheduler, parts.accelerator.precision)
+    if _stop_requested(parts, at_log_step=log):
+        with host_section():
+            loop.watch.check(loop.plan, parts.run_dir)
+            save_checkpoint(parts, state, loop.optimizer, loop.scheduler, parts.accelerator.precision)
         loop.pbar.close()
         parts.guard.stop()
     if tcfg.stop_after_steps is not None and state.global_step >= tcfg.stop_after_steps:
@@ -427,17 +528,34 @@ def after_step(parts: RunParts, loop: StageLoop, state: TrainState) -> bool:
     return not within
 
 
-def finish_stage(parts: RunParts, plan: StagePlan, state: TrainState) -> None:
+def finish_stage(parts: RunParts, loop: StageLoop, state: TrainState) -> None:
     """Evaluate at the stage's end (unless just done), record its result and checkpoint it as finished."""
-    if not state.evals or state.evals[-1]["stage_step"] != state.stage_step or state.evals[-1]["stage"] != plan.name:
-        evaluate_stage(parts, plan, state, "stage_end")
-    last = state.evals[-1]
-    state.stage_results.append({"stage": plan.name, "steps": state.stage_step, "metrics": last["metrics"],
-                                "best_metric": state.best_metric if state.best_stage == plan.index else None})
-    # The next stage starts fresh; the checkpoint below marks this one as finished.
-    state.stage += 1
-    state.epoch = state.batch_in_epoch = state.stage_step = 0
-    save_checkpoint(parts, state, None, None)
+    plan = loop.plan
+    with host_section():
+        loop.watch.check(plan, parts.run_dir)
+        if (not state.evals or state.evals[-1]["stage_step"] != state.stage_step
+                or state.evals[-1]["stage"] != plan.name):
+            evaluate_stage(parts, plan, state, "stage_end")
+        last = state.evals[-1]
+        state.stage_results.append({"stage": plan.name, "steps": state.stage_step, "metrics": last["metrics"],
+                                    "best_metric": state.best_metric if state.best_stage == plan.index else None})
+        # The next stage starts fresh; the checkpoint below marks this one as finished.
+        state.stage += 1
+        state.epoch = state.batch_in_epoch = state.stage_step = 0
+        save_checkpoint(parts, state, None, None, parts.accelerator.precision)
+
+
+def _host_batches(loader):
+    """The loader's batches, each with its (examples, tokens) counted on the host before the batch
+    moves to the device (fetching and collating a batch is host work by design)."""
+    batches = iter(loader)
+    while True:
+        with host_section():
+            batch = next(batches, None)
+            if batch is None:
+                return
+            counts = (int(batch["input_ids"].shape[0]), int(batch["attention_mask"].sum()))
+        yield batch, counts
 
 
 # --------------------------------------------------------------------------------------- the stage
@@ -451,11 +569,11 @@ def run_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from: 
         parts.teacher.eval()
     while state.epoch < loop.num_epochs and state.stage_step < loop.total_steps:
         loop.sampler.set_epoch(state.epoch, start_batch=state.batch_in_epoch)
-        for batch in loop.loader:
+        for batch, (examples, tokens) in _host_batches(loop.loader):
             batch = _to_device(batch, acc.device)
             loss, values = train_step(parts, loop, batch, state)
             state.batch_in_epoch += 1
-            loop.meter.add(values, loss, batch)
+            loop.meter.add(values, loss, examples, tokens)
             if not acc.sync_gradients:
                 continue
             loop.scheduler.step()
@@ -469,9 +587,11 @@ def run_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from: 
         state.epoch += 1
         state.batch_in_epoch = 0
         if not plan.cfg.get("eval_every_steps"):
-            evaluate_stage(parts, plan, state, "epoch")
+            with host_section():
+                loop.watch.check(plan, parts.run_dir)
+                evaluate_stage(parts, plan, state, "epoch")
     loop.pbar.close()
-    finish_stage(parts, plan, state)
+    finish_stage(parts, loop, state)
 
 
 __all__ = [

@@ -200,9 +200,9 @@ def _naive_loss(plan, s_out, t_out, keep: list[int], b: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize("objective,phase", [("dynabert_ckd", 0), ("dynabert", 1)])
 def test_adaptive_step_equals_sum_of_separate_subnetworks(objective: str, phase: int) -> None:
-    from accelerate import Accelerator
-
     from kdrun.dynabert.train import AdaptiveStage
+    from kdrun.precision import make_kd_accelerator
+    from kdrun.trainer import FiniteWatch, train_step
     from kdrun.mapping import MappingSpec
     from kdrun.models import describe
     from kdrun.objective import Objective, plan_stages
@@ -225,10 +225,11 @@ def test_adaptive_step_equals_sum_of_separate_subnetworks(objective: str, phase:
         stage.teacher = copy.deepcopy(student).eval().requires_grad_(False)
         stage.pairs = [(i, i) for i in range(5)]
     rec = _Recorder(student)
-    parts = SimpleNamespace(accelerator=Accelerator(cpu=True), student=student, teacher=teacher.requires_grad_(False),
-                            objective=objective_m, train_cfg=SimpleNamespace(max_grad_norm=0.0))
-    loop = SimpleNamespace(plan=plan, optimizer=rec)
-    total, values = stage.step(parts, loop, b, SimpleNamespace(global_step=0, stage_step=0))
+    parts = SimpleNamespace(accelerator=make_kd_accelerator(True, "no"), student=student,
+                            teacher=teacher.requires_grad_(False), objective=objective_m, world_size=1,
+                            train_cfg=SimpleNamespace(max_grad_norm=0.0))
+    loop = SimpleNamespace(plan=plan, optimizer=rec, strategy=stage, watch=FiniteWatch(), teacher_table=None)
+    total, values = train_step(parts, loop, b, SimpleNamespace(global_step=0, stage_step=0))  # the engine's step
     assert rec.steps == 1 and len([k for k in values if k.startswith("subnet/")]) == len(widths) * len(depths)
 
     # naive: every sub-network built on its own (masks for width, a separate copy holding only the

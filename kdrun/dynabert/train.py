@@ -51,48 +51,37 @@ class AdaptiveStage:
     pairs: list[tuple[int, int]] | None = None
 
     # ------------------------------------------------------------------------------------ the step
-    def step(self, parts, loop, batch: dict[str, Any], state) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Algorithm 1's inner loops for one batch; returns (sum of the sub-networks' losses, values
-        to log: each term's mean over sub-networks and each sub-network's loss)."""
-        from kdrun.trainer import _average_objective_grads, _check_finite, _clone_features
+    def passes(self, parts, loop, batch: dict[str, Any], state):
+        """Algorithm 1's inner loops for one batch, as a strategy of kdrun's training step: yield
+        each sub-network's (loss, values); the engine runs its backward, and one optimizer step
+        follows the last one."""
+        from kdrun.trainer import objective_loss, teacher_features
 
         acc, plan = parts.accelerator, loop.plan
         student = acc.unwrap_model(parts.student)
-        total = torch.zeros((), device=acc.device)
-        sums: dict[str, torch.Tensor] = {}
-        n = 0
-        with acc.accumulate(parts.student):
-            shared = None
-            if self.teacher is None and plan.uses_teacher:
-                with torch.inference_mode(), acc.autocast():
-                    shared = _clone_features(extract_features(parts.teacher, batch, plan.teacher_needs))
-            for width in self.widths:
-                t_feats: Features | None = shared
-                if self.teacher is not None and plan.uses_teacher:
-                    with torch.inference_mode(), acc.autocast(), subnetwork(self.teacher, width, 1.0):
-                        t_feats = _clone_features(extract_features(self.teacher, batch, plan.teacher_needs))
-                for depth in self.depths:
-                    with acc.autocast(), subnetwork(student, width, depth) as sub:
-                        s_feats = extract_features(parts.student, batch, plan.student_needs)
-                        pairs = subnet_pairs(self.pairs, sub["layers"]) if self.pairs is not None else None
-                        loss, values = parts.objective(plan.index, s_feats, t_feats, batch, step=state.global_step,
-                                                       layer_pairs=pairs)
-                    _check_finite(parts, plan, state, loss, values)
-                    acc.backward(loss)
-                    total = total + loss.detach()
-                    for k, v in values.items():
-                        sums[k] = sums.get(k, 0.0) + v
-                    sums[f"subnet/w{width:g}_d{depth:g}"] = loss.detach()
-                    n += 1
-            if acc.sync_gradients and getattr(parts, "world_size", 1) > 1:
-                _average_objective_grads(parts.objective, parts.world_size)
-            if acc.sync_gradients and parts.train_cfg.max_grad_norm:
-                acc.clip_grad_norm_(list(parts.student.parameters()) + list(parts.objective.parameters()),
-                                    parts.train_cfg.max_grad_norm)
-            loop.optimizer.step()
-            loop.optimizer.zero_grad(set_to_none=True)
-        logged = {k: (v / n if not k.startswith("subnet/") else v) for k, v in sums.items()}
-        return total, logged
+        shared = teacher_features(parts, loop, batch) if self.teacher is None else None
+        for width in self.widths:
+            t_feats: Features | None = shared
+            if self.teacher is not None and plan.uses_teacher:
+                with torch.no_grad(), acc.autocast(), subnetwork(self.teacher, width, 1.0):
+                    t_feats = extract_features(self.teacher, batch, plan.teacher_needs)
+            for depth in self.depths:
+                with acc.autocast(), subnetwork(student, width, depth) as sub:
+                    s_feats = extract_features(parts.student, batch, plan.student_needs)
+                    pairs = subnet_pairs(self.pairs, sub["layers"]) if self.pairs is not None else None
+                loss, values = objective_loss(parts, loop, batch, state, s_feats, t_feats, layer_pairs=pairs)
+                yield loss, {**values, f"subnet/w{width:g}_d{depth:g}": loss.detach()}
+
+    def combine(self, results: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]):
+        """(sum of the sub-networks' losses, each term's mean over sub-networks and each
+        sub-network's loss)."""
+        total = torch.stack([loss for loss, _ in results]).sum()
+        logged: dict[str, torch.Tensor] = {}
+        for _, values in results:
+            for k, v in values.items():
+                logged[k] = logged[k] + v if k in logged else v
+        n = len(results)
+        return total, {k: (v / n if not k.startswith("subnet/") else v) for k, v in logged.items()}
 
 
 # ----------------------------------------------------------------------------------------- setup
