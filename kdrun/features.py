@@ -7,6 +7,8 @@ Q/K/V projections are computed (or kept) only when some term asks for them.
 
 from __future__ import annotations
 
+import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -27,6 +29,12 @@ def fp32(x: torch.Tensor) -> torch.Tensor:
     """``x`` in at least single precision (losses are computed in fp32 under bf16/fp16 autocast;
     float64 inputs, as in the tests, stay float64)."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def no_autocast(device: torch.device) -> torch.autocast:
+    """Context with autocast off on ``device``'s type: matmuls inside keep their inputs' (fp32)
+    precision even when a caller runs under bf16/fp16 autocast."""
+    return torch.autocast(device_type=device.type, enabled=False)
 
 
 class AttentionInputs:
@@ -73,13 +81,14 @@ class AttentionInputs:
         return x.view(b, n, h, d // h).transpose(1, 2)
 
     def scores(self, layer: int) -> torch.Tensor:
-        """(B, h, n, n) pre-softmax attention scores of ``layer`` (fp32, no mask): Q K^T / sqrt(d_head),
-        plus the family's additive terms where it has them (kdrun/adaptors.py)."""
+        """(B, h, n, n) pre-softmax attention scores of ``layer`` (fp32, also under autocast; no mask):
+        Q K^T / sqrt(d_head), plus the family's additive terms where it has them (kdrun/adaptors.py)."""
         key = ("scores", layer)
         if key not in self._cache:
             q = fp32(self.heads_of("q", layer))
             k = fp32(self.heads_of("k", layer))
-            scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
+            with no_autocast(q.device):
+                scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
             bias = self.projection("bias", layer)
             if bias is not None:
                 scores = scores + fp32(bias).view_as(scores)
@@ -162,16 +171,6 @@ def mlm_head(model: nn.Module) -> nn.Module:
                      f"{', '.join(MLM_HEADS)} are known); the mlm_kd term needs a masked-LM model")
 
 
-def _gather_masked(model: nn.Module, positions: torch.Tensor):
-    """Make the masked-LM head see only the rows at ``positions`` (flat indices into (B, n)), so
-    the vocabulary logits are computed for the masked tokens alone; returns the hook handle."""
-    def gather(_module, args):
-        h = args[0]
-        return (h.reshape(-1, h.shape[-1]).index_select(0, positions), *args[1:])
-
-    return mlm_head(model).register_forward_pre_hook(gather)
-
-
 def model_inputs(batch: Mapping[str, torch.Tensor], model: nn.Module | None = None) -> dict[str, torch.Tensor]:
     """The batch's model inputs; token_type_ids only for models that use them (not DistilBERT, nor
     RoBERTa or DeBERTa-v3 with a single token type: segment ids of 1 would index past their table)."""
@@ -186,51 +185,110 @@ def model_inputs(batch: Mapping[str, torch.Tensor], model: nn.Module | None = No
     return {k: batch[k] for k in keys if k in batch}
 
 
-def _capture_projections(model: nn.Module):
-    """Register hooks keeping every layer's Q/K/V projection output; returns (store, handles, meta)."""
-    from kdrun.adaptors import get_adaptor
-    from kdrun.models import attention_projections
+def _base(model: nn.Module) -> nn.Module:
+    """The model inside a DDP (``module``) or torch.compile (``_orig_mod``) wrapper."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
 
-    modules = attention_projections(model)
-    adaptor = get_adaptor(getattr(model, "module", model))
-    store: dict[str, list[Any]] = {w: [None] * len(modules) for w in ("q", "k", "v", "bias")}
-    handles = []
-    for i, attn in enumerate(modules):
-        for which, name in zip(("q", "k", "v"), adaptor.projections):
-            def hook(_m, _inp, out, which=which, i=i):
-                if store[which][i] is None:  # DeBERTa-v2 reuses Q and K on relative-position embeddings
-                    store[which][i] = out
-            handles.append(getattr(attn, name).register_forward_hook(hook))
-        patch = adaptor.score_bias(attn, store["bias"], i)
-        if patch is not None:
-            handles.append(patch)
-    first = modules[0]
-    return store, handles, (int(getattr(first, adaptor.heads_attr)), adaptor.scaling(first))
+
+class _Capture:
+    """Forward hooks on a model's attention projections and masked-LM head, registered once and left
+    in place (a compiled model keeps the same hooks from step to step); they act only while a
+    feature extraction that needs them runs."""
+
+    def __init__(self, model: nn.Module):
+        from kdrun.adaptors import get_adaptor
+        from kdrun.models import attention_projections
+
+        modules = attention_projections(model)
+        adaptor = get_adaptor(_base(model))
+        self.store: dict[str, list[Any]] = {w: [None] * len(modules) for w in ("q", "k", "v", "bias")}
+        self.active = False
+        self.positions: torch.Tensor | None = None  # masked-LM rows to keep (mlm_logits), or None
+        for i, attn in enumerate(modules):
+            for which, name in zip(("q", "k", "v"), adaptor.projections):
+                getattr(attn, name).register_forward_hook(self._keeper(which, i))
+            adaptor.score_bias(attn, self.store["bias"], i)  # stays patched: only records the bias
+        first = modules[0]
+        self.meta = (int(getattr(first, adaptor.heads_attr)), adaptor.scaling(first))
+        self.mlm_hooked = False
+
+    def _keeper(self, which: str, i: int):
+        def hook(_m, _inp, out):
+            if self.active and self.store[which][i] is None:  # DeBERTa-v2 reuses Q and K on positions
+                self.store[which][i] = out
+        return hook
+
+    def hook_mlm(self, model: nn.Module) -> None:
+        """Make the masked-LM head see only the rows at ``self.positions`` (flat indices into (B, n)),
+        so the vocabulary logits are computed for the masked tokens alone."""
+        if self.mlm_hooked:
+            return
+
+        def gather(_module, args):
+            if self.positions is None:
+                return None
+            h = args[0]
+            return (h.reshape(-1, h.shape[-1]).index_select(0, self.positions), *args[1:])
+
+        mlm_head(model).register_forward_pre_hook(gather)
+        self.mlm_hooked = True
+
+    def take(self) -> dict[str, list[Any]]:
+        """What the last forward recorded; the store is emptied for the next one."""
+        out = {w: list(v) for w, v in self.store.items()}
+        for v in self.store.values():
+            v[:] = [None] * len(v)
+        return out
+
+
+_CAPTURES: "weakref.WeakKeyDictionary[nn.Module, _Capture]" = weakref.WeakKeyDictionary()
+
+
+def _capture_of(model: nn.Module) -> _Capture:
+    base = _base(model)
+    if base not in _CAPTURES:
+        _CAPTURES[base] = _Capture(base)
+    return _CAPTURES[base]
+
+
+@contextmanager
+def _capturing(model: nn.Module, projections: bool, positions: torch.Tensor | None):
+    """Activate the model's persistent hooks for one forward pass; yields the capture (or None)."""
+    if not projections and positions is None:
+        yield None
+        return
+    cap = _capture_of(model)
+    if positions is not None:
+        cap.hook_mlm(_base(model))
+    cap.active, cap.positions = projections, positions
+    try:
+        yield cap
+    finally:
+        cap.active, cap.positions = False, None
 
 
 def extract_features(model: nn.Module, batch: Mapping[str, Any], needs: frozenset[str]) -> Features:
     """Run ``model`` on ``batch`` and collect the features in ``needs``."""
     capture = bool(needs & PROJECTION_NEEDS)
-    store, handles, meta = _capture_projections(model) if capture else (None, [], None)
     mlm = "mlm_logits" in needs
-    if mlm:
-        handles.append(_gather_masked(model, batch["mlm_positions"]))
-    try:
+    with _capturing(model, capture, batch["mlm_positions"] if mlm else None) as cap:
         out = model(
             **model_inputs(batch, model),
             output_hidden_states="hidden_states" in needs,
             output_attentions="attentions" in needs,
             return_dict=True,
         )
-    finally:
-        for h in handles:
-            h.remove()
+        store = cap.take() if cap is not None else None
     attentions = tuple(out.attentions) if "attentions" in needs else None
     if attentions is not None and len(attentions) == 0:
         raise RuntimeError("model returned no attentions: it must run with attn_implementation='eager'")
     extra: dict[str, Any] = {}
     if capture:
-        extra["attention_inputs"] = AttentionInputs(store["q"], store["k"], store["v"], *meta, bias=store["bias"])
+        extra["attention_inputs"] = AttentionInputs(store["q"], store["k"], store["v"], *cap.meta, bias=store["bias"])
     logits = output_logits(out)
     return Features(
         logits=None if mlm else logits,

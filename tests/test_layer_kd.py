@@ -18,7 +18,6 @@ from kdrun.features import AttentionInputs, Features, extract_features
 from kdrun.losses import LossContext, get_loss
 from kdrun.mapping import LayerMap, MappedPairs, Row, pairs_map
 from kdrun.objective import Objective, plan_stages
-from kdrun.trainer import _clone_features
 from tests.conftest import TINY, assert_kept_best, compose, load_script, task_objectives
 
 # Every objective for labelled tasks but mgskd (it needs a chunker: tests/test_mgskd.py).
@@ -116,13 +115,16 @@ def test_scores_from_hooks_match_eager_attentions_and_sdpa() -> None:
         Features(logits=f.logits, attention_mask=f.attention_mask).attention_scores(1)
 
 
-def test_hooks_removed_and_teacher_tensors_join_autograd() -> None:
+def test_hooks_registered_once_and_teacher_tensors_join_autograd() -> None:
     teacher, student, b = tiny_bert(seed=3), tiny_bert(layers=2, seed=4), batch()
     with torch.inference_mode():
         t = extract_features(teacher, b, frozenset({"logits", "qkv", "attention_scores", "hidden_states"}))
     projections = [p for layer in teacher.bert.encoder.layer for p in
                    (layer.attention.self.query, layer.attention.self.key, layer.attention.self.value)]
-    assert all(not p._forward_hooks for p in projections)  # kdrun's capture hooks are removed
+    assert all(len(p._forward_hooks) == 1 for p in projections)  # kdrun's capture hooks stay, once
+    with torch.inference_mode():
+        extract_features(teacher, b, frozenset({"logits", "qkv"}))
+    assert all(len(p._forward_hooks) == 1 for p in projections)
     s = extract_features(student, b, frozenset({"logits", "qkv", "attention_scores", "hidden_states"}))
     ctx = LossContext(2, layer_pairs=[(1, 2), (2, 4)], layer_map=pairs_map([(1, 2), (2, 4)]))
     loss = (get_loss("tinybert_attention").fn(s, t, None, ctx) + get_loss("minilm_value").fn(s, t, None, ctx)
@@ -367,9 +369,8 @@ def test_zero_loss_when_student_is_a_copy_of_the_teacher(name, params) -> None:
     student = copy.deepcopy(teacher)
     b = batch()
     needs = frozenset({"logits", "hidden_states", "qkv", "attention_scores"})
-    with torch.inference_mode():
+    with torch.no_grad():  # as the trainer runs the teacher
         t = extract_features(teacher, b, needs)
-    t = _clone_features(t)  # as the trainer does with the teacher's record
     s = extract_features(student, b, needs)
     spec = get_loss(name)
     lmap = pairs_map([(i, i) for i in range(5)])
