@@ -11,10 +11,8 @@ from __future__ import annotations
 import copy
 import importlib
 import os
-import socket
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from torch import nn
 
@@ -37,16 +35,36 @@ def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
 
 
+def _hub_endpoint() -> str:
+    """The hub's address as huggingface_hub uses it (``HF_ENDPOINT``, else huggingface.co)."""
+    from huggingface_hub import constants
+
+    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+# Answers that come from a proxy or gateway that could not reach the hub (or wants credentials):
+# any other HTTP answer means the hub (or a mirror at HF_ENDPOINT) is there.
+_NOT_THE_HUB = frozenset({407, 502, 503, 504})
+_REACHABLE: dict[str, bool] = {}  # endpoint -> answer, once per process
+
+
 def _hub_reachable(timeout: float = 3.0) -> bool:
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    parsed = urlparse(endpoint)
-    host = parsed.hostname or "huggingface.co"
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
+    """Whether the hub answers, asked the way huggingface_hub will ask it: a HEAD request through
+    its shared HTTP session, so HF_ENDPOINT, HTTPS_PROXY / HTTP_PROXY / NO_PROXY and a client
+    factory set with ``huggingface_hub.set_client_factory`` all apply. False at once when
+    HF_HUB_OFFLINE is set. The answer is kept per endpoint for the rest of the process."""
+    if _hub_offline():
         return False
+    endpoint = _hub_endpoint()
+    if endpoint not in _REACHABLE:
+        from huggingface_hub import get_session
+
+        try:
+            response = get_session().head(f"{endpoint}/", timeout=timeout, follow_redirects=False)
+            _REACHABLE[endpoint] = response.status_code not in _NOT_THE_HUB
+        except Exception:  # noqa: BLE001 - refused, timed out, proxy failure, offline mode: not reachable
+            _REACHABLE[endpoint] = False
+    return _REACHABLE[endpoint]
 
 
 def _in_local_hf_cache(repo_id: str) -> bool:

@@ -139,6 +139,10 @@ def _read_data_file(path: Path, split: str, task: Any) -> dict[str, list[Any]]:
 # Hub
 
 
+# Hub datasets that moved into an organisation's namespace: the old id is still accepted.
+LEGACY_HUB_IDS = {"squad": "rajpurkar/squad"}
+
+
 def _load_hub(task: Any) -> dict[str, datasets.Dataset]:
     name = _get(task, "hub_dataset", "nyu-mll/glue")
     config = _get(task, "hub_config")
@@ -149,15 +153,23 @@ def _load_hub(task: Any) -> dict[str, datasets.Dataset]:
     if not name:
         raise DataError(f"task '{_task_name(task)}': no data source configured (no toy, data_files, "
                         f"data_dir or hub_dataset). {hint}")
-    try:
-        loaded = datasets.load_dataset(str(name), None if config is None else str(config))
-    except Exception as e:
+    # A legacy id is read under its current id, then as given (a local cache made under the old id).
+    hub_ids = [LEGACY_HUB_IDS[str(name)], str(name)] if str(name) in LEGACY_HUB_IDS else [str(name)]
+    failure = None
+    for hub_id in hub_ids:
+        try:
+            loaded = datasets.load_dataset(hub_id, None if config is None else str(config))
+            break
+        except Exception as e:
+            failure = e if failure is None else failure  # report the first id's error
+    else:
         offline = [v for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if os.environ.get(v) == "1"]
         note = f" ({', '.join(offline)}=1 is set)" if offline else ""
+        tried = " or ".join(repr(h) for h in hub_ids)
         raise DataError(
-            f"task '{_task_name(task)}': dataset {name!r} (config {config!r}) could not be loaded from the "
-            f"hub{note}: {type(e).__name__}: {e}\n{hint}"
-        ) from e
+            f"task '{_task_name(task)}': dataset {tried} (config {config!r}) could not be loaded from the "
+            f"hub{note}: {type(failure).__name__}: {failure}\n{hint}"
+        ) from failure
     missing = [s for s in _splits(task) if s not in loaded]
     if missing:
         raise DataError(

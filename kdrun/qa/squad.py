@@ -9,7 +9,8 @@ Sources, tried in this order:
 1. ``task.data_files``: one SQuAD JSON file per split (``{train: a.json, validation: b.json}``), or a
    single file (a string) when ``task.split_by_article`` is set;
 2. ``task.data_dir``: a directory with the official ``train-v1.1.json`` and ``dev-v1.1.json``;
-3. the hub dataset ``task.hub_dataset`` (``squad``).
+3. the hub dataset ``task.hub_dataset`` (``rajpurkar/squad``; the legacy id ``squad`` is still
+   accepted, see :data:`kdrun.data.sources.LEGACY_HUB_IDS`).
 
 ``task.split_by_article=N`` reads only the eval split's file (``dev-v1.1.json``: the train file is
 not needed) and splits it by article, in file order: the first N articles become the train split,
@@ -30,6 +31,7 @@ import numpy as np
 from kdrun.data.common import DataError, _as_dict, _get, _splits, _task_name
 
 DEFAULT_FILES = {"train": "train-v1.1.json", "validation": "dev-v1.1.json"}
+HUB_DATASET = "rajpurkar/squad"  # SQuAD v1.1 on the hub (formerly ``squad``)
 _FORMAT = ('SQuAD v1.1 JSON is {"data": [{"title": str, "paragraphs": [{"context": str, "qas": [{"id": str, '
            '"question": str, "answers": [{"text": str, "answer_start": int}]}]}]}]}')
 
@@ -173,10 +175,10 @@ def _hub_rows(task: Any) -> dict[str, list[dict[str, Any]]]:
     splits = _splits(task)
     if _get(task, "split_by_article"):
         splits = splits[1:2]
-        task = {"name": _task_name(task), "hub_dataset": _get(task, "hub_dataset"),
-                "hub_config": _get(task, "hub_config"), "train_split": splits[0], "eval_splits": []}
+    task = {"name": _task_name(task), "hub_dataset": _get(task, "hub_dataset") or HUB_DATASET,
+            "hub_config": _get(task, "hub_config"), "train_split": splits[0], "eval_splits": splits[1:]}
     for split, ds in _load_hub(task).items():
-        where = f"hub dataset {_get(task, 'hub_dataset')!r} split {split!r}"
+        where = f"hub dataset {task['hub_dataset']!r} split {split!r}"
         rows = [{k: r[k] for k in ("id", "title", "context", "question", "answers")} for r in ds]
         for r in rows:
             r["answers"] = {"text": list(r["answers"]["text"]), "answer_start": list(r["answers"]["answer_start"])}
@@ -195,7 +197,7 @@ def check_qa_data(task: Any) -> None:
         return
     from kdrun.data.sources import check_task_data
 
-    check_task_data({"name": _task_name(task), "hub_dataset": _get(task, "hub_dataset")})
+    check_task_data({"name": _task_name(task), "hub_dataset": _get(task, "hub_dataset") or HUB_DATASET})
 
 
 def _subsample(rows: list[dict[str, Any]], limit: int | None, seed: int, what: str) -> list[dict[str, Any]]:
@@ -223,7 +225,7 @@ def load_qa_data(task: Any, seed: int | None = None) -> datasets.DatasetDict:
         where = str(next(iter(_file_sources(task).values())))
     else:
         raw = _hub_rows(task)
-        where = f"hub dataset {_get(task, 'hub_dataset')!r}"
+        where = f"hub dataset {_get(task, 'hub_dataset') or HUB_DATASET!r}"
     if n_articles:
         raw = dict(zip(splits[:2], split_by_article(raw[splits[1]], int(n_articles), where)))
         if len(splits) > 2:
