@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from kdrun.config import MappingConfig
+from kdrun.syncs import host_section
 
 # Strategies in the order the docs list them (error messages name them in this order).
 MAPPINGS: dict[str, str] = {
@@ -227,8 +228,9 @@ class LayerMap(nn.Module):
             return self.pairs
         if self._draw is None or self._draw[0] != step:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(step))
-            draw = [(r.student, r.teachers[int(torch.randint(len(r.teachers), (1,), generator=g))])
-                    for r in self.rows]
+            with host_section():  # CPU generator and CPU tensors: no device involved
+                draw = [(r.student, r.teachers[int(torch.randint(len(r.teachers), (1,), generator=g))])
+                        for r in self.rows]
             self._draw = (step, draw)
         return list(self._draw[1])
 
@@ -274,7 +276,8 @@ class LayerMap(nn.Module):
         if student_rep is None:
             raise ValueError("mapping=attention needs the student's representation to weight the teacher layers")
         alpha = self.attention_weights(student_rep, stacked)
-        self.last_sample_weights[index] = alpha.detach().reshape(-1, alpha.shape[-1]).float().mean(0).cpu()
+        # kept on the device: read on the host by log_values, at log steps only
+        self.last_sample_weights[index] = alpha.detach().reshape(-1, alpha.shape[-1]).float().mean(0)
         return (stacked * alpha.unsqueeze(-1).to(stacked.dtype)).sum(-2)
 
     def attention_weights(self, student_rep: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
@@ -288,7 +291,8 @@ class LayerMap(nn.Module):
                 f"{student_rep.shape[-1]} and {stacked.shape[-1]}; use a student of the teacher's width")
         dtype = torch.promote_types(torch.promote_types(student_rep.dtype, stacked.dtype), torch.float32)
         temperature = stacked.shape[-1] ** 0.5 if self.temperature == "sqrt_d" else self.temperature
-        logits = torch.einsum("...d,...kd->...k", student_rep.to(dtype), stacked.to(dtype)) / temperature
+        with torch.autocast(device_type=stacked.device.type, enabled=False):  # fp32 dot products
+            logits = torch.einsum("...d,...kd->...k", student_rep.to(dtype), stacked.to(dtype)) / temperature
         return logits.softmax(-1)
 
     # ---- logging
@@ -299,11 +303,11 @@ class LayerMap(nn.Module):
             with torch.no_grad():
                 for r, w in zip(self.rows, self.row_weights()):
                     if len(r.teachers) > 1:
-                        out.update({f"s{r.student}/t{t}": float(x) for t, x in zip(r.teachers, w)})
+                        out.update({f"s{r.student}/t{t}": x for t, x in zip(r.teachers, w.tolist())})
         elif self.strategy == "attention":
             for r, w in zip(self.rows, self.last_sample_weights):
                 if w is not None:
-                    out.update({f"s{r.student}/t{t}": float(x) for t, x in zip(r.teachers, w)})
+                    out.update({f"s{r.student}/t{t}": x for t, x in zip(r.teachers, w.tolist())})
         return out
 
 

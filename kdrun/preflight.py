@@ -45,6 +45,11 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(f"train.device='{cfg.train.device}' must be auto, cpu or cuda")
     if cfg.train.precision not in ("auto", "no", "fp32", "bf16", "fp16"):
         raise ConfigError(f"train.precision='{cfg.train.precision}' must be auto, no, fp32, bf16 or fp16")
+    from kdrun.data.pipeline import resolve_num_workers
+
+    resolve_num_workers(cfg.train.num_workers, "cpu")  # names train.num_workers when it is neither auto nor >= 0
+    if cfg.teacher.dtype not in ("auto", "fp32", "bf16", "fp16"):
+        raise ConfigError(f"teacher.dtype='{cfg.teacher.dtype}' must be auto, fp32, bf16 or fp16")
     try:  # checked here, not at the first evaluation after the teacher has trained
         check_metric_names(list(cfg.task.metrics), cfg.task.num_labels == 1, cfg.task.kind)
     except ValueError as e:

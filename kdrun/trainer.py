@@ -29,7 +29,7 @@ from kdrun.checkpoints import (
     save_checkpoint,
     seed_everything,
 )
-from kdrun.data.pipeline import make_loader
+from kdrun.data.pipeline import make_loader, resolve_num_workers
 from kdrun.errors import UserError
 from kdrun.features import Features, extract_features, model_inputs, output_logits
 from kdrun.grad_shares import grad_share_logs
@@ -318,8 +318,8 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
         raise RuntimeError(f"stage '{plan.name}' trains on augmented data but none was built")
     loader, sampler = make_loader(
         train_data, cfg["batch_size"], parts.collator, seed=tcfg.seed + 1000 * plan.index, train=True,
-        group_by_length=tcfg.group_by_length, num_workers=tcfg.num_workers, rank=parts.rank,
-        world_size=parts.world_size,
+        group_by_length=tcfg.group_by_length, num_workers=resolve_num_workers(tcfg.num_workers, acc.device.type),
+        pin_memory=acc.device.type == "cuda", rank=parts.rank, world_size=parts.world_size,
     )
     from kdrun.dynabert.train import start_adaptive
 
@@ -548,7 +548,8 @@ def finish_stage(parts: RunParts, loop: StageLoop, state: TrainState) -> None:
 def _host_batches(loader):
     """The loader's batches, each with its (examples, tokens) counted on the host before the batch
     moves to the device (fetching and collating a batch is host work by design)."""
-    batches = iter(loader)
+    with host_section():
+        batches = iter(loader)
     while True:
         with host_section():
             batch = next(batches, None)

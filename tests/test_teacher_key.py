@@ -225,6 +225,9 @@ NOT_IN_KEY_CHANGES = {
     "train.pad_to_max_length": True,
     "train.num_workers": 1,
     "train.num_threads": 1,
+    "train.find_unused_parameters": True,
+    "train.compile": True,
+    "train.compile_backend": "eager",
     "train.stop_after_steps": 3,
     "task.name": "renamed",
     "task.validation_percent": 5.0,
@@ -232,6 +235,7 @@ NOT_IN_KEY_CHANGES = {
     "task.mlm_probability": 0.2,
     "teacher.name": "renamed",
     "teacher.checkpoint": "/some/teacher",
+    "teacher.dtype": "bf16",
     "teacher.source": "bert-base-uncased",
     "teacher.num_layers": 2,
     "seed": 7,
@@ -315,14 +319,20 @@ def test_defaults_train_the_teacher_as_before() -> None:
 
 
 def test_teacher_accelerator_isolates_accumulation_and_loss_scale() -> None:
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    acc = SimpleNamespace(gradient_accumulation_steps=4, step=3, scaler=scaler)
+    from kdrun.precision import Precision
+
+    run_precision = Precision("fp16", "cpu")
+    run_precision.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    acc = SimpleNamespace(gradient_accumulation_steps=4, step=3, precision=run_precision)
     with T.teacher_accelerator(acc, 2):
         assert acc.gradient_accumulation_steps == 2 and acc.step == 0
-        scaler.scale(torch.ones(()))  # the teacher's fp16 steps move the loss scale
-        scaler.update(new_scale=8.0)
+        assert acc.precision is not run_precision and acc.precision.name == "fp16"  # a scaler of its own
+        acc.precision.scale(torch.ones(()))  # the teacher's fp16 steps move its loss scale
+        acc.precision.scaler.update(new_scale=8.0)
+        assert acc.precision.loss_scale() == 8.0
         acc.step = 5
-    assert acc.gradient_accumulation_steps == 4 and acc.step == 0 and scaler.get_scale() == 1024.0
+    assert acc.gradient_accumulation_steps == 4 and acc.step == 0
+    assert acc.precision is run_precision and run_precision.loss_scale() == 1024.0
 
 
 # ----------------------------------------------------------------------- tiny real fine-tunes

@@ -8,9 +8,12 @@ makes an exact resume possible: skip the batches already seen.
 
 from __future__ import annotations
 
+import itertools
+import os
 import random
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
@@ -205,11 +208,47 @@ class LengthGroupedBatchSampler(Sampler[list[int]]):
         return (len(self.lengths) + self.batch_size - 1) // self.batch_size - self.start_batch
 
 
+def _int_flat(seqs: Sequence[Any], total: int) -> np.ndarray:
+    """The concatenated values of ``seqs`` as one int64 array (``total`` values in all)."""
+    first = seqs[0] if len(seqs) else None
+    if isinstance(first, (list, tuple)):  # the usual case: rows as Python lists (datasets' format None)
+        return np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=total)
+    if not total:
+        return np.zeros(0, dtype=np.int64)
+    # tensors or arrays (a formatted dataset): cast as torch.as_tensor(seq, dtype=torch.long) would
+    return np.concatenate([torch.as_tensor(s).to(torch.long).reshape(-1).numpy() for s in seqs])
+
+
+def pad_rows(seqs: Sequence[Any], width: int, fill: int, lengths: np.ndarray | None = None,
+             key: str = "input_ids") -> torch.Tensor:
+    """(B, ``width``) long tensor: row i holds ``seqs[i]`` then ``fill``.
+
+    One pre-allocated tensor filled through a boolean mask of the valid positions (row-major, so
+    each row's values land in order), instead of a tensor per row: the same values as padding row
+    by row, several times faster on batches of Python lists.
+    """
+    if lengths is None:
+        lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
+    out = torch.full((len(seqs), width), fill, dtype=torch.long)
+    if len(seqs) == 0:
+        return out
+    longest = int(lengths.max())
+    if longest > width:
+        raise ValueError(f"a row's {key} has {longest} tokens, more than the batch width {width} (pad_to)")
+    valid = np.arange(width) < lengths[:, None]
+    out.numpy()[valid] = _int_flat(seqs, int(lengths.sum()))
+    return out
+
+
 class Collator:
     """Pads a list of tokenised rows to the longest (or to ``pad_to``) and stacks tensors.
 
     Rows with a ``spans`` column give ``batch["spans"]``: (B, S, 2) long ``[start, end)`` token
     indices, S the most spans of a row in the batch, missing spans filled with -1.
+
+    Every key is built as one tensor for the whole batch (:func:`pad_rows`), not row by row; the
+    values, dtypes and padding are those of padding each row in turn (tests/test_pipeline.py
+    compares the two).
     """
 
     def __init__(self, pad_token_id: int, regression: bool, pad_to: int | None = None):
@@ -218,42 +257,98 @@ class Collator:
         self.pad_to = pad_to
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        width = self.pad_to or max(len(r["input_ids"]) for r in rows)
+        n = len(rows)
+        ids = [r["input_ids"] for r in rows]
+        id_lengths = np.fromiter(map(len, ids), dtype=np.int64, count=n)
+        width = self.pad_to or int(id_lengths.max())
         batch: dict[str, torch.Tensor] = {}
         for key in TOKEN_COLUMNS:
             if key not in rows[0]:
                 continue
             fill = self.pad_token_id if key == "input_ids" else 0
-            t = torch.full((len(rows), width), fill, dtype=torch.long)
-            for i, r in enumerate(rows):
-                seq = r[key]
-                t[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
-            batch[key] = t
+            seqs = ids if key == "input_ids" else [r[key] for r in rows]
+            lengths = id_lengths if key == "input_ids" else np.fromiter(map(len, seqs), dtype=np.int64, count=n)
+            batch[key] = pad_rows(seqs, width, fill, lengths, key)
         batch["labels"] = torch.tensor(
             [r["labels"] for r in rows], dtype=torch.float32 if self.regression else torch.long
         )
         batch["idx"] = torch.tensor([r["idx"] for r in rows], dtype=torch.long)
         if "spans" in rows[0]:
-            most = max(len(r["spans"]) for r in rows)
-            sp = torch.full((len(rows), most, 2), -1, dtype=torch.long)
-            for i, r in enumerate(rows):
-                if r["spans"]:
-                    sp[i, : len(r["spans"])] = torch.as_tensor(r["spans"], dtype=torch.long).view(-1, 2)
-            batch["spans"] = sp
+            batch["spans"] = pad_spans([r["spans"] for r in rows])
         return batch
+
+
+def pad_spans(spans: Sequence[Any]) -> torch.Tensor:
+    """(B, S, 2) long: row i's ``[start, end)`` pairs, then -1; S the most pairs of a row."""
+    counts = np.fromiter(map(len, spans), dtype=np.int64, count=len(spans))
+    most = int(counts.max()) if len(spans) else 0
+    out = torch.full((len(spans), most, 2), -1, dtype=torch.long)
+    total = int(counts.sum())
+    if not total:
+        return out
+    pairs = [p for p in spans if len(p)]
+    if isinstance(pairs[0], (list, tuple)):
+        flat = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(pairs)), dtype=np.int64)
+    else:
+        flat = np.concatenate([torch.as_tensor(p).to(torch.long).reshape(-1).numpy() for p in pairs])
+    if flat.size != 2 * total:
+        raise ValueError(f"spans must be [start, end) pairs: {total} spans hold {flat.size} values")
+    out.numpy()[np.arange(most) < counts[:, None]] = flat.reshape(-1, 2)
+    return out
+
+
+def resolve_num_workers(value: Any, device_type: Any) -> int:
+    """Data-loading processes for ``train.num_workers`` (an integer >= 0 or ``auto``) on a device.
+
+    ``auto``: none on CPU devices (workers would compete with the compute threads for the cores);
+    on CUDA min(4, half the cores available to this process), so batches are collated while the GPU
+    computes. ``device_type``: ``"cuda"``, ``"cpu"``, ... or a torch.device. A bad value is a
+    ConfigError naming ``train.num_workers``.
+    """
+    from kdrun.errors import ConfigError
+
+    kind = getattr(device_type, "type", device_type)
+    if isinstance(value, str) and value == "auto":
+        return min(4, _available_cpus() // 2) if kind == "cuda" else 0
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ConfigError(f"train.num_workers={value!r} must be auto or an integer >= 0 (data-loading "
+                          "processes; 0 loads batches in the training process)")
+    return int(value)
+
+
+def _available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may use (taskset, SLURM, containers)
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def make_loader(
     ds,
     batch_size: int,
-    collator: Collator,
+    collator: Any,
     seed: int,
     train: bool,
     group_by_length: bool = True,
-    num_workers: int = 0,
+    num_workers: int | str = 0,
     rank: int = 0,
     world_size: int = 1,
+    pin_memory: bool = False,
+    device_type: str | None = None,
 ) -> tuple[DataLoader, LengthGroupedBatchSampler]:
+    """The loader of ``ds`` and its batch sampler (call ``sampler.set_epoch`` before each epoch).
+
+    ``pin_memory``: page-locked batches, so that ``.to(device, non_blocking=True)`` overlaps the copy
+    with compute; pass True when training on CUDA. ``num_workers``: an integer or ``auto``, resolved
+    by :func:`resolve_num_workers` for ``device_type`` (default: ``cuda`` when ``pin_memory``, else
+    ``cpu``).
+
+    Workers are persistent (started once per loader, not once per epoch). That keeps exact resumes:
+    the batch sampler runs in this process, and each ``iter(loader)`` starts a new pass over it after
+    the caller's ``set_epoch(epoch, start_batch=...)``, the workers dropping whatever they had
+    prefetched of an abandoned pass (tests/test_pipeline.py).
+    """
+    num_workers = resolve_num_workers(num_workers, device_type or ("cuda" if pin_memory else "cpu"))
     sampler = LengthGroupedBatchSampler(
         ds["length"], batch_size, seed, group_by_length=group_by_length, shuffle=train, rank=rank,
         world_size=world_size,
@@ -263,6 +358,7 @@ def make_loader(
     # dropout masks after a resume would differ from those of an uninterrupted run.
     loader = DataLoader(
         ds.with_format(None, columns=cols), batch_sampler=sampler, collate_fn=collator, num_workers=num_workers,
+        pin_memory=pin_memory, persistent_workers=num_workers > 0,
         generator=torch.Generator().manual_seed(seed),
     )
     return loader, sampler

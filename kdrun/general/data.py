@@ -87,36 +87,47 @@ class CorpusCollator:
         return self.mask_token_id is not None
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        width = self.pad_to or max(len(r["input_ids"]) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        positions, targets = [], []
-        for i, r in enumerate(rows):
-            seq = torch.as_tensor(r["input_ids"], dtype=torch.long)
-            if self.masks:
-                chosen, replaced = self.mask_segment(len(seq), int(r["idx"]), seq)
-                positions.append(i * width + chosen)
-                targets.append(seq[chosen].clone())
-                seq = seq.clone()
-                seq[chosen] = replaced
-            ids[i, : len(seq)] = seq
-            mask[i, : len(seq)] = 1
+        # One tensor per key for the whole batch (kdrun.data.pipeline.pad_rows); only the masks are
+        # drawn row by row, each from its segment's own generator.
+        from kdrun.data.pipeline import pad_rows
+
+        n = len(rows)
+        seqs = [r["input_ids"] for r in rows]
+        lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=n)
+        width = self.pad_to or int(lengths.max())
+        ids = pad_rows(seqs, width, self.pad_token_id, lengths)
+        mask = torch.from_numpy(np.arange(width) < lengths[:, None]).to(torch.long)
         idx = torch.tensor([int(r["idx"]) for r in rows], dtype=torch.long)
         batch = {"input_ids": ids, "attention_mask": mask, "idx": idx}
         if self.masks:
-            batch["mlm_positions"] = torch.cat(positions)
-            batch["mlm_targets"] = torch.cat(targets)
+            draws = [self._draw(int(m), int(i)) for m, i in zip(lengths, idx.tolist())]
+            positions = np.concatenate([i * width + d[0] for i, d in enumerate(draws)])  # flat, row by row
+            roll = np.concatenate([d[1] for d in draws])
+            flat = ids.view(-1).numpy()  # a view: writing it writes ``ids``
+            targets = flat[positions]
+            new = targets.copy()
+            new[roll < 0.8] = self.mask_token_id
+            new[(roll >= 0.8) & (roll < 0.9)] = np.concatenate([d[2] for d in draws])
+            flat[positions] = new
+            batch["mlm_positions"] = torch.from_numpy(positions)
+            batch["mlm_targets"] = torch.from_numpy(targets)
         return batch
 
-    def mask_segment(self, n: int, idx: int, seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positions chosen in 1..n-2, their new ids) for one segment of length ``n``."""
+    def _draw(self, n: int, idx: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A segment's mask draws: (positions chosen in 1..n-2, their rolls, the random ids of the rolls
+        in [0.8, 0.9)), from the generator seeded by (``seed``, ``idx``), in the order BERT's masking draws."""
         rng = np.random.default_rng([self.seed, idx])
         inner = np.arange(1, n - 1)
         k = max(1, int(round(self.probability * len(inner))))
-        chosen = np.sort(rng.choice(inner, size=min(k, len(inner)), replace=False))
+        chosen = np.sort(rng.choice(inner, size=min(k, len(inner)), replace=False)).astype(np.int64, copy=False)
         roll = rng.random(len(chosen))
+        rand = (roll >= 0.8) & (roll < 0.9)
+        return chosen, roll, rng.integers(0, self.vocab_size, size=int(rand.sum())).astype(np.int64, copy=False)
+
+    def mask_segment(self, n: int, idx: int, seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions chosen in 1..n-2, their new ids) for one segment of length ``n``."""
+        chosen, roll, random_ids = self._draw(n, idx)
         new = seq[torch.as_tensor(chosen)].numpy().copy()
         new[roll < 0.8] = self.mask_token_id
-        rand = (roll >= 0.8) & (roll < 0.9)
-        new[rand] = rng.integers(0, self.vocab_size, size=int(rand.sum()))
+        new[(roll >= 0.8) & (roll < 0.9)] = random_ids
         return torch.as_tensor(chosen, dtype=torch.long), torch.as_tensor(new, dtype=torch.long)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdrun.features import Features
+from kdrun.features import Features, fp32
 from kdrun.losses.registry import LossContext, Params, param, positive, register_loss
 from kdrun.losses.relations import LOSSES, PHIS, REDUCTIONS, angle_loss, pair_loss
 
@@ -115,9 +115,17 @@ def _layer_reduce(total: torch.Tensor, n_layers: int, reduction: str) -> torch.T
     return total / n_layers if reduction == "official" else total
 
 
-def _token_layer_points(hidden: tuple[torch.Tensor, ...], layers: list[int], mask: torch.Tensor) -> torch.Tensor:
-    """(T, l, d): each valid token's representations at ``layers`` (T = number of real tokens)."""
-    return torch.stack([hidden[i][mask] for i in layers], dim=1)
+def _token_layer_points(hidden: tuple[torch.Tensor, ...], layers: list[int],
+                        mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's representations at ``layers``: points (B*n, l, d) and their validity (B*n, l).
+
+    Every token of the batch is a point set; a padding token's set has no valid point, so it adds
+    no pair, triple or row (nor official count) — the same sums as keeping only the real tokens,
+    without a data-dependent shape.
+    """
+    points = torch.stack([fp32(hidden[i]) for i in layers], dim=2)  # (B, n, l, d)
+    valid = mask.reshape(-1, 1).expand(-1, len(layers))
+    return points.flatten(0, 1), valid
 
 
 # ------------------------------------------------------------------------------------------- terms
@@ -163,10 +171,9 @@ def ckd_ltr_pair(s: Features, t: Features, batch, ctx: LossContext, p: PairParam
     (student layers vs their teacher layers); mean over the batch's tokens and layer pairs (l != m).
     """
     hs, ht, mask = _hidden(s, t, ctx, "ckd_ltr_pair")
-    xs = _token_layer_points(hs, [p[0] for p in ctx.layer_pairs], mask)
-    xt = _token_layer_points(ht, [p[1] for p in ctx.layer_pairs], mask)
-    ones = torch.ones(xs.shape[:2], dtype=torch.bool, device=xs.device)
-    return pair_loss(xs, xt, ones, phi=p.phi, normalize=p.normalize, loss=p.loss, window=None,
+    xs, valid = _token_layer_points(hs, [p[0] for p in ctx.layer_pairs], mask)
+    xt, _ = _token_layer_points(ht, [p[1] for p in ctx.layer_pairs], mask)
+    return pair_loss(xs, xt, valid, phi=p.phi, normalize=p.normalize, loss=p.loss, window=None,
                      huber_beta=p.huber_beta, reduction=p.reduction)
 
 
@@ -177,7 +184,6 @@ def ckd_ltr_angle(s: Features, t: Features, batch, ctx: LossContext, p: AnglePar
     Per real token, the l^3 angles (vertex = a layer); mean over the batch's tokens and valid triples.
     """
     hs, ht, mask = _hidden(s, t, ctx, "ckd_ltr_angle")
-    xs = _token_layer_points(hs, [p[0] for p in ctx.layer_pairs], mask)
-    xt = _token_layer_points(ht, [p[1] for p in ctx.layer_pairs], mask)
-    ones = torch.ones(xs.shape[:2], dtype=torch.bool, device=xs.device)
-    return angle_loss(xs, xt, ones, loss=p.loss, window=None, huber_beta=p.huber_beta, reduction=p.reduction)
+    xs, valid = _token_layer_points(hs, [p[0] for p in ctx.layer_pairs], mask)
+    xt, _ = _token_layer_points(ht, [p[1] for p in ctx.layer_pairs], mask)
+    return angle_loss(xs, xt, valid, loss=p.loss, window=None, huber_beta=p.huber_beta, reduction=p.reduction)

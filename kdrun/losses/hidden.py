@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kdrun.features import Features
+from kdrun.features import Features, fp32
 from kdrun.losses.registry import LossContext, NoParams, register_loss
 
 
@@ -33,6 +33,6 @@ def hidden_mse(s: Features, t: Features, batch, ctx: LossContext, p: NoParams) -
     hs, ht = s.require("hidden_states"), t.require("hidden_states")
     total = hs[0].new_zeros((), dtype=torch.float32)
     for si, ti in ctx.layer_pairs:
-        a, b = hs[si].float(), ht[ti].float()
+        a, b = fp32(hs[si]), fp32(ht[ti])
         total = total + masked_mean((a - b) ** 2, s.attention_mask)
     return total

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdrun.features import Features, fp32
+from kdrun.features import Features, fp32, no_autocast
 from kdrun.losses.hidden import masked_mean
 from kdrun.losses.registry import LossContext, Params, param, register_loss
 from kdrun.mapping import BUCKETS, MAPPINGS, LayerMap, MappedPairs, Row, pairs_map
@@ -124,8 +124,10 @@ class Projections(nn.Module):
                 _identity_(lin)
 
     def forward(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """(..., d_in) -> (..., d_out) in the weights' precision (fp32), autocast off."""
         lin = self.proj if self.mode == "shared" else self.per_layer[str(layer)]
-        return lin(x.to(lin.weight.dtype))
+        with no_autocast(x.device):
+            return lin(x.to(lin.weight.dtype))
 
 
 def check_projection(term: str, projection: str, student_info: dict, teacher_info: dict) -> None:
@@ -169,8 +171,17 @@ def attention_kl(log_ps: torch.Tensor, pt: torch.Tensor, mask: torch.Tensor) -> 
     key = m[:, None, None, :]
     safe_log_ps = log_ps.masked_fill(~key, 0.0)
     per_query = torch.where(key, torch.xlogy(pt, pt) - pt * safe_log_ps, torch.zeros_like(pt)).sum(-1)
-    valid = m[:, None, :].expand_as(per_query)
-    return per_query[valid].mean()
+    return masked_average(per_query, m[:, None, :].expand_as(per_query))
+
+
+def masked_average(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over the entries where ``valid`` (same shape, bool) holds; 0 when none does.
+
+    A masked sum over a count, never ``x[valid]``: boolean indexing has a data-dependent shape, which
+    makes the host wait for the device.
+    """
+    total = torch.where(valid, x, torch.zeros_like(x)).sum()
+    return total / valid.sum().clamp_min(1).to(total.dtype)
 
 
 def projection_check(term: str):
@@ -270,8 +281,10 @@ class RowProjections(nn.Module):
                 _identity_(lin)
 
     def forward(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """(..., d_in of the row) -> (..., d_student) in the weights' precision (fp32), autocast off."""
         lin = self.per_layer[str(layer)]
-        return lin(x.to(lin.weight.dtype))
+        with no_autocast(x.device):
+            return lin(x.to(lin.weight.dtype))
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdrun.features import Features
-from kdrun.losses.prediction import Temperature, logit_kd
+from kdrun.features import Features, no_autocast
+from kdrun.losses.prediction import Temperature, logit_kd, regression_mse
 from kdrun.losses.registry import LossContext, ParamError, Params, param, positive, positive_int, register_loss
 from kdrun.losses.relations import _safe_rsqrt, _tiny, _tol, angle_loss, center, full_precision, gram, relation_dtype
 
@@ -208,20 +208,25 @@ class MGSKDModule(nn.Module):
     def __init__(self, student_width: int, teacher_width: int, project: bool):
         super().__init__()
         self.proj = nn.Linear(student_width, teacher_width) if project else None
-        self._sums: dict[str, float] = {}
+        self._sums: dict[str, torch.Tensor] = {}
         self._counts: dict[str, int] = {}
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., d_s) -> (..., d_t) in ``h``'s precision (fp32 / fp64), autocast off."""
         if self.proj is None:
             return h
-        return F.linear(h, self.proj.weight.to(h.dtype), self.proj.bias.to(h.dtype))
+        with no_autocast(h.device):
+            return F.linear(h, self.proj.weight.to(h.dtype), self.proj.bias.to(h.dtype))
 
     def record(self, **parts: torch.Tensor) -> None:
+        """Add 0-dim parts to the running sums; they stay on the device (no host sync per step)."""
         for k, v in parts.items():
-            self._sums[k] = self._sums.get(k, 0.0) + float(v.detach())
+            v = v.detach()
+            self._sums[k] = self._sums[k] + v if k in self._sums else v
             self._counts[k] = self._counts.get(k, 0) + 1
 
-    def log_values(self) -> dict[str, float]:
+    def log_values(self) -> dict[str, torch.Tensor]:
+        """Mean of each part since the last call, as 0-dim tensors (read on the host at log steps)."""
         out = {k: self._sums[k] / self._counts[k] for k in self._sums}
         self._sums, self._counts = {}, {}
         return out
@@ -426,5 +431,5 @@ def mgskd_prediction(s: Features, t: Features, batch, ctx: LossContext, p: Predi
     (``regression=finetune``, the paper fine-tunes STS-B instead of distilling predictions) or to the
     teacher's output (``kd``)."""
     if ctx.regression and p.regression == "finetune":
-        return F.mse_loss(s.logits.float().view(-1), batch["labels"].float().view(-1))
+        return regression_mse(s.logits, batch["labels"])
     return logit_kd(s, t, batch, ctx, Temperature(p.temperature))

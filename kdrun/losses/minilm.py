@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdrun.features import Features, fp32
+from kdrun.features import Features, fp32, no_autocast
 from kdrun.losses.layerwise import relation_kl
 from kdrun.losses.registry import LossContext, Params, param, positive_int, register_loss
 
@@ -68,9 +68,10 @@ def _check_v1(term: str):
 
 
 def self_relation(x: torch.Tensor) -> torch.Tensor:
-    """(B, h, n, d) -> (B, h, n, n) scaled dot products x x^T / sqrt(d), fp32."""
+    """(B, h, n, d) -> (B, h, n, n) scaled dot products x x^T / sqrt(d), fp32 (also under autocast)."""
     x = fp32(x)
-    return torch.matmul(x, x.transpose(-1, -2)) / x.shape[-1] ** 0.5
+    with no_autocast(x.device):
+        return torch.matmul(x, x.transpose(-1, -2)) / x.shape[-1] ** 0.5
 
 
 @register_loss("minilm_attention", params=LayerParams, needs={"attention_scores"}, map_kinds=(),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kdrun.features import Features
+from kdrun.features import Features, fp32
 from kdrun.losses.registry import LossContext, NoParams, Params, param, positive, register_loss
 
 # Logit given to padding positions of QA windows: exp underflows to exactly 0 (as for -inf) while
@@ -24,11 +24,17 @@ MASKED_LOGIT = -1e9
 def prediction_rows(f: Features) -> torch.Tensor:
     """(B, C) class logits as they are; QA's (B, n, 2) start / end logits as (2B, n) rows over the
     positions (start and end of example 0, then of example 1, ...), padding at MASKED_LOGIT."""
-    z = f.logits.float()
+    z = fp32(f.logits)
     if z.dim() == 2:
         return z
     z = z.masked_fill(~f.attention_mask.bool()[..., None], MASKED_LOGIT)
     return z.transpose(1, 2).reshape(-1, z.shape[1])
+
+
+def regression_mse(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """MSE of (B, 1) outputs to (B,) or (B, 1) targets (gold scores or the teacher's outputs), in fp32."""
+    z = fp32(z).reshape(-1)
+    return F.mse_loss(z, target.reshape(-1).to(z.dtype))
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,7 @@ def cross_entropy(s: Features, t: Features | None, batch, ctx: LossContext, p: N
     start and end position CE)."""
     labels = batch["labels"]
     if ctx.regression:
-        return F.mse_loss(s.logits.float().view(-1), labels.float().view(-1))
+        return regression_mse(s.logits, labels)
     return F.cross_entropy(prediction_rows(s), labels.long().reshape(-1))
 
 
@@ -50,7 +56,7 @@ def cross_entropy(s: Features, t: Features | None, batch, ctx: LossContext, p: N
 def logit_kd(s: Features, t: Features, batch, ctx: LossContext, p: Temperature) -> torch.Tensor:
     """Hinton KD: T^2 * KL(softmax(z_t/T) || softmax(z_s/T)), batch mean; MSE of outputs for regression."""
     if ctx.regression:
-        return F.mse_loss(s.logits.float().view(-1), t.logits.float().view(-1))
+        return regression_mse(s.logits, t.logits)
     zs, zt = prediction_rows(s), prediction_rows(t)
     log_ps = F.log_softmax(zs / p.temperature, dim=-1)
     log_pt = F.log_softmax(zt / p.temperature, dim=-1)
@@ -62,7 +68,7 @@ def logit_kd(s: Features, t: Features, batch, ctx: LossContext, p: Temperature) 
 def soft_cross_entropy(s: Features, t: Features, batch, ctx: LossContext, p: Temperature) -> torch.Tensor:
     """Soft cross-entropy mean_b(-sum_c p_t log p_s) at temperature T, no T^2 (TinyBERT stage 2)."""
     if ctx.regression:
-        return F.mse_loss(s.logits.float().view(-1), t.logits.float().view(-1))
+        return regression_mse(s.logits, t.logits)
     zs, zt = prediction_rows(s), prediction_rows(t)
     pt = F.softmax(zt / p.temperature, dim=-1)
     return -(pt * F.log_softmax(zs / p.temperature, dim=-1)).sum(-1).mean()

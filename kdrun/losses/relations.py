@@ -30,7 +30,8 @@ Conventions (documented once, used by every loss here):
   is ever evaluated at 0.
 - Matching losses ``mse`` (squared error), ``l1``, ``huber`` (smooth L1 with ``huber_beta``) are
   averaged over all valid pairs / triples of the whole batch (the sum of errors divided by the
-  number of valid entries, as the official code does for angles). ``kl`` is
+  number of valid entries as defined above; the official code's count also includes the diagonal /
+  vertex-coinciding entries, see ``reduction="official"`` below). ``kl`` is
   ``KL(softmax(teacher row) || softmax(student row))`` over the valid entries of each row (a row is
   point i for pairs, (vertex j, point i) for angles), averaged over the valid rows.
   ``reduction="official"`` divides the same sums by the official CKD code's count instead: every
@@ -41,12 +42,13 @@ Conventions (documented once, used by every loss here):
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
+
+from kdrun.features import no_autocast
 
 PHIS = ("l2", "cosine")
 LOSSES = ("mse", "l1", "huber", "kl")
@@ -73,11 +75,9 @@ def relation_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-@contextlib.contextmanager
-def full_precision(device: torch.device) -> Iterator[None]:
+def full_precision(device: torch.device) -> torch.autocast:
     """Disable autocast so relations are computed in fp32 even inside a bf16/fp16 training step."""
-    with torch.autocast(device_type=device.type, enabled=False):
-        yield
+    return no_autocast(device)
 
 
 def _tol(dtype: torch.dtype) -> float:

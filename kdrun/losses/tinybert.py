@@ -41,6 +41,7 @@ from kdrun.losses.layerwise import (
     check_projection,
     layer_map_of,
     mapped,
+    masked_average,
     masked_log_softmax,
     projection_check,
     projection_module,
@@ -110,11 +111,12 @@ def _check_attention(student_info, teacher_info, pairs, p: AttentionParams) -> N
 def attention_mse(ss: torch.Tensor, st: torch.Tensor, mask: torch.Tensor, padding: str) -> torch.Tensor:
     """MSE between (B, h, n, n) pre-softmax scores; see the module docstring for ``padding``."""
     m = mask.bool()
+    ss, st = fp32(ss), fp32(st)  # squares of fp32 differences, whatever the scores' dtype
     if padding == "tinybert":
         key = m[:, None, None, :]
         return ((ss.masked_fill(~key, 0.0) - st.masked_fill(~key, 0.0)) ** 2).mean()
     valid = (m[:, None, :, None] & m[:, None, None, :]).expand_as(ss)
-    return ((ss - st) ** 2)[valid].mean()
+    return masked_average((ss - st) ** 2, valid)
 
 
 @register_loss("tinybert_attention", params=AttentionParams, needs={"attention_scores"},
