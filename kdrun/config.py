@@ -233,6 +233,10 @@ class ObjectiveConfig:
     # Python modules to import before the stages' loss terms are looked up: loss plug-ins that are
     # not installed under the ``kdrun.losses`` entry-point group (e.g. [my_pkg.my_losses]).
     imports: List[str] = field(default_factory=list)
+    # Loss balancing (kdrun/balance.py): ``fixed`` (the YAML weights), ``gradnorm`` (Chen et al.,
+    # 2018; balance_alpha is its α) or ``uncertainty`` (Kendall et al., 2018) learn a factor per term.
+    balance: str = "fixed"
+    balance_alpha: float = 1.5
 
 
 @dataclass

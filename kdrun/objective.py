@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from kdrun.balance import Balancer
 from kdrun.dynabert.plan import check_adaptive
 from kdrun.errors import ConfigError
 from kdrun.features import Features
@@ -125,6 +126,8 @@ class Objective(nn.Module):
         num_labels: int,
         student_info: dict[str, int],
         teacher_info: dict[str, int] | None,
+        balance: str = "fixed",
+        balance_alpha: float = 1.5,
     ):
         super().__init__()
         self.plans = plans
@@ -156,6 +159,11 @@ class Objective(nn.Module):
                     self.term_modules[key] = module
                     if share is not None:
                         shared[share] = key
+        # objective.balance (kdrun/balance.py): None keeps the YAML weights, bit for bit
+        self.balancer = None if balance == "fixed" else Balancer(
+            balance, {p.index: [t.key for t in p.terms] for p in plans}, balance_alpha)
+        # GradNorm's shared parameters (the student's last encoder layer), set by the trainer
+        self.balance_params: list[nn.Parameter] | None = None
 
     # ---- maps
     def _map_for(self, plan: StagePlan, term: Term, key: str) -> MappedPairs:
@@ -230,6 +238,9 @@ class Objective(nn.Module):
         for m in modules:
             if m is not None:
                 params.update({id(p): p for p in m.parameters() if p.requires_grad})
+        if self.balancer is not None and self.balancer.balances(stage):
+            factors = self.balancer.factors[f"stage{stage}"]
+            params[id(factors)] = factors
         return list(params.values())
 
     def log_values(self, stage: int) -> dict[str, float]:
@@ -247,6 +258,8 @@ class Objective(nn.Module):
                 out.update({f"{term.key}/{k}": float(v) for k, v in module.log_values().items()})
         for key, lmap in self._stage_maps(stage).items():
             out.update({f"{key}/{k}": v for k, v in lmap.log_values().items()})
+        if self.balancer is not None:
+            out.update({k: float(v) for k, v in self.balancer.log_values(stage).items()})
         return out
 
     def forward(
@@ -263,6 +276,7 @@ class Objective(nn.Module):
         plan = self.plans[stage]
         total = student.attention_mask.new_zeros((), dtype=torch.float32)
         values: dict[str, torch.Tensor] = {}
+        summands: list[torch.Tensor] = []
         for term in plan.terms:
             key = self._module_key(plan, term)
             map_key = self._term_map.get(key)
@@ -280,5 +294,8 @@ class Objective(nn.Module):
             summand = term.weight * value.float()
             if weighted is not None:
                 weighted[term.key] = summand
+            summands.append(summand)
             total = total + summand
+        if self.balancer is not None and self.balancer.balances(stage):
+            total = self.balancer.combine(stage, summands, self.balance_params)
         return total, values

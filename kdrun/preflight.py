@@ -48,6 +48,10 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
     from kdrun.data.pipeline import resolve_num_workers
 
     resolve_num_workers(cfg.train.num_workers, "cpu")  # names train.num_workers when it is neither auto nor >= 0
+    from kdrun.balance import BALANCE_METHODS
+
+    if cfg.objective.balance not in BALANCE_METHODS:
+        raise ConfigError(f"objective.balance='{cfg.objective.balance}' must be one of {', '.join(BALANCE_METHODS)}")
     if cfg.teacher.dtype not in ("auto", "fp32", "bf16", "fp16"):
         raise ConfigError(f"teacher.dtype='{cfg.teacher.dtype}' must be auto, fp32, bf16 or fp16")
     try:  # checked here, not at the first evaluation after the teacher has trained

@@ -398,7 +398,8 @@ def build_student(session: Session, data: RunData, models: Models) -> Models:
     check_features(session.pre["plans"], student, teacher)
     models.student_info = M.describe(student)
     models.objective = Objective(session.pre["plans"], session.pre["mapping"], cfg.task.num_labels,
-                                 models.student_info, models.teacher_arch)
+                                 models.student_info, models.teacher_arch, balance=cfg.objective.balance,
+                                 balance_alpha=cfg.objective.balance_alpha)
     # Several processes: the trainer wraps the student in DDP per stage (kdrun.trainer.wrap_for_stage).
     student = compiled(session, student)
     models.student = acc.prepare_model(student) if acc.num_processes == 1 else student.to(acc.device)

@@ -329,6 +329,11 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
     steps_per_epoch = max(1, batches_per_epoch // tcfg.gradient_accumulation_steps)
     total_steps = max(1, math.ceil(cfg["epochs"] * steps_per_epoch))
     optimizer = make_optimizer(parts, plan)  # the stage's own; the run's one scaler unscales it
+    if parts.objective.balancer is not None:  # GradNorm measures the terms' gradients on the last layer
+        from kdrun.models import encoder_layers
+
+        last = encoder_layers(acc.unwrap_model(parts.student))[-1]
+        parts.objective.balance_params = [p for p in last.parameters() if p.requires_grad]
     scheduler = make_scheduler(plan, tcfg, optimizer, total_steps)
     if resume_from is not None:
         load_optim_rng(resume_from, optimizer, scheduler, rank=parts.rank, precision=acc.precision)
