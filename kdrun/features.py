@@ -245,7 +245,7 @@ class _Capture:
         return out
 
 
-_CAPTURES: "weakref.WeakKeyDictionary[nn.Module, _Capture]" = weakref.WeakKeyDictionary()
+_CAPTURES: weakref.WeakKeyDictionary[nn.Module, _Capture] = weakref.WeakKeyDictionary()
 
 
 def _capture_of(model: nn.Module) -> _Capture:

@@ -67,7 +67,7 @@ class Precision:
         """The autocast dtype, None for fp32."""
         return DTYPES[self.name]
 
-    def fresh(self) -> "Precision":
+    def fresh(self) -> Precision:
         """The same precision with a new scaler (the teacher's fine-tuning starts its own loss scale)."""
         return Precision(self.name, self.device_type)
 

@@ -11,7 +11,11 @@ Each cell is also compared with the ``finetune`` row of the same student, paired
 seeds both rows ran on that task): an exact two-sided sign-flip permutation test (Fisher 1935;
 Pitman 1937) and a paired t-test (Student 1908, through ``scipy.stats.ttest_rel``). Their p-values
 go into the CSV and a mark into the tables. With n pairs the sign-flip test cannot go below
-p = 2/2^n (0.25 for 3 seeds), which is why the t-test is shown as well.
+p = 2/2^n (0.25 for 3 seeds), which is why the t-test is shown as well; under the table, each
+task's minimal detectable effect says how large a difference its seeds can detect.
+
+The ``baseline`` row is the constant predictor's score that the runs recorded (kdrun.baselines),
+and a cell whose mean is within noise of it (or below it) is marked and listed.
 """
 
 from __future__ import annotations
@@ -25,6 +29,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kdrun.baselines import (
+    NEAR_MARK,
+    Baseline,
+    cell_baseline,
+    constant_note,
+    constant_row,
+    near_cells,
+    near_lines,
+    task_baselines,
+)
 from kdrun.cache import write_text_atomic
 from kdrun.report_plots import FIGURE_FORMATS, plot_curves, plot_objectives, plot_seed_spread, plot_sweeps
 from kdrun.results import (  # noqa: F401  (re-exported: kdrun.report is the public entry)
@@ -43,8 +57,11 @@ from kdrun.significance import (  # noqa: F401
     TTEST_MARK,
     Comparison,
     baseline_row,
+    cell_mde,
     compare_with_baseline,
     comparison_lines,
+    mde_lines,
+    min_detectable_effect,
     min_sign_flip_p,
     sign_flip_p,
     significance_footnote,
@@ -60,15 +77,16 @@ def _fmt(cell: Cell | None, scale: float) -> str:
 
 
 def table_rows(cells: dict[tuple, dict[str, Cell]], tasks: list[str], scale: float,
-               comparisons: dict[tuple, dict[str, Comparison]] | None = None, alpha: float = 0.05) -> list[list[str]]:
+               comparisons: dict[tuple, dict[str, Comparison]] | None = None, alpha: float = 0.05,
+               near: dict[tuple, dict[str, str]] | None = None) -> list[list[str]]:
     rows = []
     for row in sorted(cells):
         cs = cells[row]
-        cmp = (comparisons or {}).get(row, {})
+        cmp, close = (comparisons or {}).get(row, {}), (near or {}).get(row, {})
         means = [cs[t].mean * scale for t in tasks if t in cs]
         avg = f"{statistics.fmean(means):.2f}" + ("" if len(means) == len(tasks) else "*") if means else "—"
-        rows.append([*row, *[_fmt(cs.get(t), scale) + (cmp[t].marks(alpha) if t in cmp else "") for t in tasks],
-                     avg])
+        rows.append([*row, *[_fmt(cs.get(t), scale) + (cmp[t].marks(alpha) if t in cmp else "")
+                             + (NEAR_MARK if t in close else "") for t in tasks], avg])
     return rows
 
 
@@ -81,7 +99,7 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
 def latex(header: list[str], rows: list[list[str]], n_label_cols: int, footnote: str = "") -> str:
     def esc(s: str) -> str:
         return (s.replace("\\", "\\textbackslash{}").replace("_", "\\_").replace("&", "\\&").replace("%", "\\%")
-                .replace("±", "$\\pm$").replace("—", "--").replace("#", "\\#")
+                .replace("±", "$\\pm$").replace("—", "--").replace("#", "\\#").replace(NEAR_MARK, "$\\approx$")
                 .replace(SIGN_FLIP_MARK + TTEST_MARK, "$^{\\dagger\\ddagger}$")
                 .replace(SIGN_FLIP_MARK, "$^{\\dagger}$").replace(TTEST_MARK, "$^{\\ddagger}$")
                 .replace("≤", "$\\leq$").replace("2^n", "$2^n$").replace(" < ", " $<$ "))
@@ -111,12 +129,17 @@ def _chosen_lines(cells: dict[tuple, dict[str, Cell]], tasks: list[str]) -> list
 def _report_text(t: dict[str, Any], problems: list[Problem], scale: float) -> str:
     """The Markdown report: table, significance footnote, chosen settings, comparisons, problems."""
     parts = [markdown(t["header"], t["rows"])]
-    if t["footnote"]:
-        parts.append(t["footnote"])
+    parts += [text for text in (t["footnote"], t["constant_note"]) if text]
+    if t["mde_lines"]:
+        parts.append(f"Minimal detectable effect vs {BASELINE_OBJECTIVE} (×{scale:g}; paired t-test, α = "
+                     f"{t['alpha']:g}, power 0.8: (t_(1-α/2,n-1) + t_(0.8,n-1))·sd/√n):\n" + "\n".join(t["mde_lines"]))
+    if t["near_lines"]:
+        parts.append(f"Warning: within noise of the constant-predictor baseline ({NEAR_MARK}):\n"
+                     + "\n".join(t["near_lines"]))
     if t["chosen"]:
         parts.append("Chosen configurations:\n" + "\n".join(t["chosen"]))
     if t["sig_lines"]:
-        parts.append(f"Paired comparisons with {BASELINE_OBJECTIVE} (Δ ×{scale:g}, row minus baseline):\n"
+        parts.append(f"Paired comparisons with {BASELINE_OBJECTIVE} (Δ ×{scale:g}, row minus {BASELINE_OBJECTIVE}):\n"
                      + "\n".join(t["sig_lines"]))
     missing = [p for p in problems if p.status != "duplicate"]
     if missing:
@@ -127,12 +150,13 @@ def _report_text(t: dict[str, Any], problems: list[Problem], scale: float) -> st
     return "\n\n".join(parts) + "\n"
 
 
-def _csv_text(cells: dict[tuple, dict[str, Cell]], tasks: list[str], label_cols: list[str],
-              metric_of: dict[str, str], comparisons: dict[tuple, dict[str, Comparison]]) -> str:
+def _csv_text(t: dict[str, Any]) -> str:
+    cells, tasks, metric_of, comparisons = (t[k] for k in ("cells", "tasks", "metric_of", "comparisons"))
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow([*label_cols, "task", "metric", "mean", "std", "n_seeds", "seeds", "values", "setting", "n_settings",
-                "baseline", "n_pairs", "mean_diff_vs_finetune", "p_vs_finetune", "p_ttest_vs_finetune"])
+    w.writerow([*t["label_cols"], "task", "metric", "mean", "std", "n_seeds", "seeds", "values", "setting",
+                "n_settings", "baseline", "n_pairs", "mean_diff_vs_finetune", "p_vs_finetune", "p_ttest_vs_finetune",
+                "mde_vs_finetune", "constant_baseline", "constant_baseline_se", "near_constant_baseline"])
     for row in sorted(cells):
         for task in tasks:
             c = cells[row].get(task)
@@ -146,8 +170,17 @@ def _csv_text(cells: dict[tuple, dict[str, Cell]], tasks: list[str], label_cols:
                    "" if cmp is None or cmp.p_ttest is None else f"{cmp.p_ttest:.6g}"]
             w.writerow([*row, task, metric_of[task], f"{c.mean:.6f}", f"{c.std:.6f}", len(c.values),
                         " ".join(str(r.seed) for r in c.runs), " ".join(f"{v:.6f}" for v in c.values),
-                        json.dumps(c.setting, default=str), c.n_settings, *sig])
+                        json.dumps(c.setting, default=str), c.n_settings, *sig, _num(cell_mde(cmp, t["alpha"])),
+                        *_constant_cols(cell_baseline(c.runs)), t["near"].get(row, {}).get(task, "")])
     return buf.getvalue()
+
+
+def _num(x: float | None) -> str:
+    return "" if x is None else f"{x:.6f}"
+
+
+def _constant_cols(b: Baseline | None) -> list[str]:
+    return ["", ""] if b is None else [f"{b.value:.6f}", _num(b.se)]
 
 
 def _figures(runs: list[RunRecord], t: dict[str, Any], out: Path, scale: float, plots: bool,
@@ -172,11 +205,25 @@ def build_table(runs: list[RunRecord], row_keys: list[str], scale: float, alpha:
     label_cols = ["student", "objective", *row_keys]
     metric_of = {t: next(r.metric for r in runs if r.task == t) for t in tasks}
     comparisons = compare_with_baseline(cells)
+    const = _constant_parts(runs, cells, tasks, len(label_cols), scale)
     return {"cells": cells, "swept": swept, "tasks": tasks, "label_cols": label_cols, "metric_of": metric_of,
             "header": [*label_cols, *[f"{t} ({metric_of[t]})" for t in tasks], "avg"],
-            "rows": table_rows(cells, tasks, scale, comparisons, alpha), "comparisons": comparisons,
-            "footnote": significance_footnote(comparisons, alpha),
-            "sig_lines": comparison_lines(comparisons, tasks, scale), "chosen": _chosen_lines(cells, tasks)}
+            "rows": table_rows(cells, tasks, scale, comparisons, alpha, const["near"]) + const.pop("row"),
+            "comparisons": comparisons, "footnote": significance_footnote(comparisons, alpha), "alpha": alpha,
+            "sig_lines": comparison_lines(comparisons, tasks, scale), "chosen": _chosen_lines(cells, tasks),
+            "mde_lines": mde_lines(comparisons, cells, tasks, scale, alpha), **const}
+
+
+def _constant_parts(runs: list[RunRecord], cells: dict[tuple, dict[str, Cell]], tasks: list[str], n_label_cols: int,
+                    scale: float) -> dict[str, Any]:
+    """The constant-predictor baseline's table row, note, and the cells within noise of it."""
+    bases, differing = task_baselines(runs)
+    near = near_cells(cells)
+    row = constant_row(bases, tasks, n_label_cols, scale)
+    return {"bases": bases, "near": near, "row": [row] if row else [],
+            "constant_note": constant_note(bases, tasks, scale) if bases else "",
+            "near_lines": near_lines(near, cells, tasks, scale)
+            + [f"- {t}: its runs record different baselines (different training or dev data?)" for t in differing]}
 
 
 def report(paths: list[Path], out: Path, row_keys: list[str] | None = None, scale: float = 100.0,
@@ -196,6 +243,10 @@ def report(paths: list[Path], out: Path, row_keys: list[str] | None = None, scal
     n_missing = len(problems) - n_dup
     print(f"# kdrun report: {len(runs)} finished runs" + (f", {n_missing} without results" if n_missing else "")
           + (f", {n_dup} duplicates counted once" if n_dup else ""), file=stream)
+    n_near = sum(len(v) for v in t["near"].values())
+    if n_near:
+        print(f"kdrun-report: warning: {n_near} cell(s) within noise of the constant-predictor baseline "
+              f"(marked {NEAR_MARK}, listed under the table)", file=sys.stderr)
     if n_dup:
         print(f"kdrun-report: warning: {n_dup} run(s) repeat the setting and seed of another run and are "
               "counted once (listed under 'Duplicate runs')", file=sys.stderr)
@@ -203,7 +254,7 @@ def report(paths: list[Path], out: Path, row_keys: list[str] | None = None, scal
           "* = average over the tasks present).\n", file=stream)
     print(text, file=stream, end="")
     written = [out / "table.csv", out / "table.tex", out / "table.md"]  # each written whole or not at all
-    write_text_atomic(written[0], _csv_text(t["cells"], t["tasks"], t["label_cols"], t["metric_of"], t["comparisons"]))
+    write_text_atomic(written[0], _csv_text(t))
     write_text_atomic(written[1], latex(t["header"], t["rows"], len(t["label_cols"]), t["footnote"]))
     write_text_atomic(written[2], text)
     written += _figures(runs, t, out, scale, plots, figure, alpha)

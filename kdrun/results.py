@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
+from kdrun.baselines import Baseline, lookup
 from kdrun.general import metric_sign
 
 # Config keys that never distinguish one experimental setting from another.
@@ -34,6 +35,7 @@ class RunRecord:
     flat: dict[str, Any]
     evals: list[dict[str, Any]] = field(default_factory=list)
     row_extra: tuple[str, ...] = ()
+    baseline: Baseline | None = None  # the constant predictor's score (kdrun.baselines)
 
     @property
     def row(self) -> tuple[str, ...]:
@@ -97,7 +99,16 @@ def load_run(path: Path, row_keys: Iterable[str] = ()) -> RunRecord:
     seed = cfg.get("seed", (cfg.get("train") or {}).get("seed", 0))
     return RunRecord(path=path.parent, task=res["task"], objective=res["objective"], student=res["student"]["name"],
                      seed=int(seed), metric=main, value=value, flat=flat, evals=res.get("evals") or [],
-                     row_extra=tuple(f"{k}={flat.get(k)}" for k in row_keys))
+                     row_extra=tuple(f"{k}={flat.get(k)}" for k in row_keys),
+                     baseline=_baseline(res, first_split, main))
+
+
+def _baseline(res: dict[str, Any], split: str, metric: str) -> Baseline | None:
+    """The run's constant-predictor baseline of ``metric`` on ``split`` (kdrun.baselines), if recorded."""
+    try:
+        return lookup(res.get("baseline"), split, metric)
+    except (AttributeError, KeyError, TypeError, ValueError):  # a malformed entry: the run counts without it
+        return None
 
 
 # Question answering runs (task.kind=qa) get one column per metric, as the papers report SQuAD.
@@ -112,8 +123,9 @@ def load_runs(path: Path, row_keys: Iterable[str] = ()) -> list[RunRecord]:
     task_cfg = (res.get("config") or {}).get("task") or {}
     if task_cfg.get("kind") != "qa":
         return [rec]
-    metrics = next(iter(res["student"]["metrics"].values()))
-    return [replace(rec, task=f"{rec.task} {QA_COLUMNS.get(m, m)}", metric=m, value=float(metrics[m]))
+    split, metrics = next(iter(res["student"]["metrics"].items()))
+    return [replace(rec, task=f"{rec.task} {QA_COLUMNS.get(m, m)}", metric=m, value=float(metrics[m]),
+                    baseline=_baseline(res, split, m))
             for m in task_cfg.get("metrics", [rec.metric]) if m in metrics]
 
 

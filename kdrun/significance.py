@@ -1,8 +1,10 @@
 """Paired significance of a table cell against the same student's finetune cell, over seeds: an exact
-two-sided sign-flip permutation test (Fisher 1935; Pitman 1937) and a paired t-test (Student 1908)."""
+two-sided sign-flip permutation test (Fisher 1935; Pitman 1937) and a paired t-test (Student 1908);
+and the minimal detectable effect of such a design (paired t-test power)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -180,3 +182,90 @@ def comparison_lines(comparisons: dict[tuple, dict[str, Comparison]], tasks: lis
                          f"sign-flip p = {_fmt_p(c.p_sign_flip)} ({kind}, smallest attainable "
                          f"{min_sign_flip_p(c.n):.3g}); paired t-test p = {_fmt_p(c.p_ttest)}")
     return lines
+
+
+# ----------------------------------------------------------------------- minimal detectable effect
+
+POWER = 0.8
+
+
+def min_detectable_effect(n: int, sd: float, alpha: float = 0.05, power: float = POWER) -> float | None:
+    """The smallest true mean difference a two-sided paired t-test over ``n`` pairs detects with
+    probability ``power`` at level ``alpha``: (t_{1-α/2,n-1} + t_{power,n-1}) · sd / √n, with ``sd``
+    the standard deviation of the paired differences. None with fewer than 2 pairs, or without scipy."""
+    if n < 2:
+        return None
+    try:
+        from scipy import stats
+    except ImportError:
+        return None
+
+    return float((stats.t.ppf(1 - alpha / 2, n - 1) + stats.t.ppf(power, n - 1)) * sd / math.sqrt(n))
+
+
+def min_seeds_for_sign_flip(alpha: float) -> int:
+    """The fewest pairs with which the exact sign-flip test can give p < ``alpha`` (2/2^n < alpha)."""
+    n = 1
+    while min_sign_flip_p(n) >= alpha:
+        n += 1
+    return n
+
+
+@dataclass
+class Spread:
+    """A task's measured spread: the sd the MDE uses, the typical n, and where the sd comes from."""
+
+    sd: float
+    n: int
+    source: str
+
+
+def _count(items: list, noun: str) -> str:
+    return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
+
+
+def _pooled(groups: list[list[float]]) -> float:
+    dof = sum(len(g) - 1 for g in groups)
+    return math.sqrt(sum((len(g) - 1) * statistics.variance(g) for g in groups) / dof)
+
+
+def task_spread(comparisons: dict[tuple, dict[str, Comparison]], cells: dict[tuple, dict[str, Cell]],
+                task: str) -> Spread | None:
+    """The sd of paired differences from finetune pooled over the task's comparisons (n: their median
+    number of pairs); without paired differences √2 × the pooled sd of the scores (the difference of
+    two independent runs; n: the cells' median number of seeds); None without two seeds anywhere."""
+    diffs = [c.diffs for cs in comparisons.values() for t, c in cs.items() if t == task and c.n >= 2]
+    if diffs:
+        return Spread(_pooled(diffs), statistics.median_low(len(d) for d in diffs),
+                      f"sd of paired differences with {BASELINE_OBJECTIVE}, pooled over {_count(diffs, 'comparison')}")
+    scores = [c.values for cs in cells.values() for t, c in cs.items() if t == task and len(c.values) >= 2]
+    if not scores:
+        return None
+    return Spread(math.sqrt(2) * _pooled(scores), statistics.median_low(len(v) for v in scores),
+                  f"√2 × sd of the scores, pooled over {_count(scores, 'cell')}; no paired differences")
+
+
+def mde_lines(comparisons: dict[tuple, dict[str, Comparison]], cells: dict[tuple, dict[str, Cell]],
+              tasks: list[str], scale: float, alpha: float) -> list[str]:
+    """Per task: the minimal detectable effect and whether the sign-flip test can reach ``alpha``."""
+    lines = []
+    for task in tasks:
+        spread = task_spread(comparisons, cells, task)
+        if spread is None:
+            lines.append(f"- {task}: no spread measured (fewer than 2 seeds per cell)")
+            continue
+        floor = min_sign_flip_p(spread.n)
+        mde = min_detectable_effect(spread.n, spread.sd, alpha)
+        mde_text = "— (needs scipy)" if mde is None else f"{mde * scale:.2f}"
+        lines.append(f"- {task}: MDE = {mde_text} with n = {spread.n} seeds ({spread.source}: "
+                     f"{spread.sd * scale:.2f}); smallest sign-flip p = 2/2^{spread.n} = {floor:.3g}"
+                     + (f" ≥ {alpha:g}: the sign-flip test cannot reach {alpha:g} with fewer than "
+                        f"{min_seeds_for_sign_flip(alpha)} seeds" if floor >= alpha else ""))
+    return lines
+
+
+def cell_mde(comparison: Comparison | None, alpha: float) -> float | None:
+    """The MDE of one comparison from its own paired differences (None with fewer than 2)."""
+    if comparison is None or comparison.n < 2:
+        return None
+    return min_detectable_effect(comparison.n, statistics.stdev(comparison.diffs), alpha)

@@ -104,10 +104,10 @@ def test_every_objective_steps_under_bf16_and_fp16_autocast_near_fp32(objective:
 
 def test_autocast_runs_the_models_in_half_and_the_objective_in_fp32(run_cfg, tmp_path: Path) -> None:
     """Under bf16 the student's features are bf16 (autocast is on), the loss and each term fp32."""
+    from kdrun.checkpoints import TrainState
     from kdrun.features import extract_features
     from kdrun.precision import Precision
     from kdrun.trainer import objective_loss, setup_stage
-    from kdrun.checkpoints import TrainState
 
     session, parts = session_parts(run_cfg("objective=tinybert"), tmp_path / "run")
     parts.accelerator.precision = Precision("bf16", "cpu")

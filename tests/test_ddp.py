@@ -80,8 +80,9 @@ def test_find_unused_parameters_only_where_a_stage_leaves_some_unused() -> None:
 def test_ddp_wrapper_follows_the_stage(forced) -> None:
     """One process group of size 1 over gloo: the wrapper is rebuilt when a stage needs the other
     setting, and the old wrapper's gradient hooks are removed (a step does not reduce twice)."""
-    import torch.distributed as dist
     from types import SimpleNamespace
+
+    import torch.distributed as dist
 
     from kdrun.objective import plan_stages
     from kdrun.trainer import wrap_for_stage

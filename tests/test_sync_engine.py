@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TINY, TOY, compose, task_objectives
+from tests.conftest import task_objectives
 from tests.test_amp import objective_args, session_parts
 
 
