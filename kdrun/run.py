@@ -106,17 +106,23 @@ def make_accelerator(train_cfg: Any):
 
 
 def _print_table(summary: dict[str, Any]) -> None:
-    rows = [("model", "split", "metric", "value")]
+    from kdrun.baselines import describe, noise_warnings, split_values, table_cells
+
+    base = summary.get("baseline")
+    rows = [("model", "split", "metric", "value", "baseline", "SE")]
     for who in ("teacher", "student"):
         for split, metrics in (summary[who].get("metrics") or {}).items():
             for k, v in metrics.items():
-                rows.append((who, split, k, f"{v:.4f}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+                rows.append((who, split, k, f"{v:.4f}", *table_cells(base, split, k)))
+    rows = rows if split_values(base) else [r[:4] for r in rows]  # corpus / QA: no baseline columns
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     line = "  ".join("-" * w for w in widths)
     print("\n" + "  ".join(c.ljust(w) for c, w in zip(rows[0], widths)))
     print(line)
     for r in rows[1:]:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    for note in filter(None, [describe(base), *noise_warnings(summary)]):
+        print(note)
     t = summary["timings"]
     teacher = summary["teacher"]
     if teacher.get("path") or teacher.get("source"):
@@ -294,6 +300,7 @@ def make_parts(session: Session, data: RunData, models: Models):
     return RunParts(accelerator=acc, student=models.student, teacher=models.teacher, objective=models.objective,
                     train_data=data.train, eval_data=data.eval, collator=data.collator,
                     metric_fn=None if corpus else task_metric_fn(cfg.task, data.eval), main_metric=cfg.task.main_metric,
+                    selection_splits=cfg.task.selection_splits, selection_threshold=cfg.task.selection_threshold,
                     evaluator=heldout_losses if corpus else None,
                     train_cfg=cfg.train,
                     tracker=session.tracker, run_dir=session.run_dir, config_hash=session.config_hash,
@@ -305,7 +312,7 @@ def load_teacher(session: Session, data: RunData) -> Models:
     """The frozen teacher: teacher.checkpoint, or fine-tuned on the task (cached); None without one."""
     from kdrun import models as M
     from kdrun.cache import wait_for_entry
-    from kdrun.teacher import fine_tune_teacher, get_teacher, teacher_cache_key
+    from kdrun.teacher import fine_tune_teacher, get_teacher, teacher_cache_key, teacher_train_data
     from kdrun.trainer import evaluate
 
     t0 = time.perf_counter()
@@ -334,13 +341,15 @@ def load_teacher(session: Session, data: RunData) -> Models:
                                            pad_token_id=data.tokenizer.pad_token_id, head=head)
             return M.load_classifier(refs["teacher"], num_labels, dropout=tc.dropout, head=head)
 
-        key = teacher_cache_key(cfg, refs.get("teacher", "random"), data.data_hash, data.tok_hash,
+        # the teacher's own rows (task.teacher_max_train_samples) and their hash; the run's by default
+        teacher_hash, teacher_rows = teacher_train_data(cfg, data.data_hash, data.train, data.tokenizer)
+        key = teacher_cache_key(cfg, refs.get("teacher", "random"), teacher_hash, data.tok_hash,
                                 acc.precision.name)
         if acc.num_processes > 1 and not acc.is_main_process:  # rank 0 fine-tunes; the others reuse its entry
             wait_for_entry(cfg.cache_dir, "teachers", key)
         teacher, info = get_teacher(
             cfg.cache_dir, key,
-            lambda out: fine_tune_teacher(out, new_teacher, cfg, acc, data.train, data.eval, data.tokenizer),
+            lambda out: fine_tune_teacher(out, new_teacher, cfg, acc, teacher_rows(), data.eval, data.tokenizer),
             lambda path: M.load_classifier(path, num_labels, need_attentions=need_attn, head=head),
         )
         teacher = acc.prepare_model(teacher, evaluation_mode=True)
@@ -510,6 +519,8 @@ def _best_value(cfg: DictConfig, state) -> float | None:
 
 def _summary(session: Session, data: RunData, models: Models, state, final_metrics: dict,
              stages_s: float) -> dict[str, Any]:
+    from kdrun.baselines import run_baseline
+
     cfg, plans = session.cfg, session.pre["plans"]
     aug = None
     if data.aug_info:
@@ -526,6 +537,7 @@ def _summary(session: Session, data: RunData, models: Models, state, final_metri
         "evals": state.evals,
         "layer_pairs": models.objective.layer_pairs,
         "augmentation": aug,
+        "baseline": run_baseline(cfg.task, data.train, data.eval),
         "timings": {"total_s": time.perf_counter() - session.t_start, "data_s": data.seconds,
                     "teacher_s": models.teacher_s, "stages_s": stages_s},
         "config": session.resolved,
