@@ -201,11 +201,11 @@ def _naive_loss(plan, s_out, t_out, keep: list[int], b: dict) -> torch.Tensor:
 @pytest.mark.parametrize("objective,phase", [("dynabert_ckd", 0), ("dynabert", 1)])
 def test_adaptive_step_equals_sum_of_separate_subnetworks(objective: str, phase: int) -> None:
     from kdrun.dynabert.train import AdaptiveStage
-    from kdrun.precision import make_kd_accelerator
-    from kdrun.trainer import FiniteWatch, train_step
     from kdrun.mapping import MappingSpec
     from kdrun.models import describe
     from kdrun.objective import Objective, plan_stages
+    from kdrun.precision import make_kd_accelerator
+    from kdrun.trainer import FiniteWatch, train_step
 
     cfg = compose([f"objective={objective}", "objective.params.widths=[1.0,0.75,0.5,0.25]",
                    "objective.params.depths=[1.0,0.75,0.5]", "objective.params.window_pair=3",
