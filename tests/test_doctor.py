@@ -1,0 +1,133 @@
+"""kdrun-doctor on a CPU-only machine (one --quick run shared by the tests below), its exit status
+and JSON writing, and scripts/bench_engine.py --fast."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdrun import doctor
+from tests.conftest import REPO
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+STEP_LINE = re.compile(r"^\[(pass|fail)\] step (\w+) (fp32|bf16|fp16): .*rel diff ([0-9.e+-]+) ")
+
+
+def labelled_objectives() -> list[str]:
+    """conf/objective/ without the corpus-only (general distillation, masked-LM) objectives."""
+    names = sorted(p.stem for p in (REPO / "conf" / "objective").glob("*.yaml"))
+    return [n for n in names if not n.endswith("_general") and n != "mlm_ckd"]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path_factory.mktemp("doctor") / "d.json"
+    proc = subprocess.run([sys.executable, "-m", "kdrun.doctor", "--quick", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert out.exists(), proc.stdout + proc.stderr
+    return proc, json.loads(out.read_text())
+
+
+def _lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stdout.splitlines() if line.startswith("[")]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only report")
+def test_quick_run_on_cpu_passes_skips_nccl_and_checks_gloo(quick_run) -> None:
+    proc, report = quick_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = _lines(proc)
+    assert "[info] cuda: CUDA available: no" in lines
+    assert "[skip] NCCL all-reduce: skipped, CUDA is absent" in lines
+    assert any(line.startswith("[pass] gloo all-reduce: 2 processes, every rank got the sum 3") for line in lines)
+    assert "[info] train.precision=auto: resolves to fp32 on cpu" in lines
+    assert report["ok"] is True and report["device"] == "cpu" and report["quick"] is True
+
+
+def test_every_objective_and_precision_has_a_row_with_a_relative_difference(quick_run) -> None:
+    proc, report = quick_run
+    rows = {(c["data"]["objective"], c["data"]["precision"]): c for c in report["checks"]
+            if c["name"].startswith("step ")}
+    precisions = PRECISIONS if not torch.cuda.is_available() else {c["data"]["precision"] for c in rows.values()}
+    want = {(o, p) for o in labelled_objectives() for p in precisions}
+    assert set(rows) == want
+    for (_, prec), c in rows.items():
+        rel = c["data"]["rel_diff"]
+        assert isinstance(rel, float) and math.isfinite(rel), c
+        assert c["status"] == "pass" and c["data"]["grads_finite"], c
+        if prec == "fp32":
+            assert rel == 0.0  # the reference itself
+        assert all(math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) for s in c["data"]["stages"])
+
+
+def test_json_matches_the_printed_report(quick_run) -> None:
+    proc, report = quick_run
+    assert _lines(proc) == [c["line"] for c in report["checks"]]
+    printed = {(m[2], m[3]): float(m[4]) for m in map(STEP_LINE.match, _lines(proc)) if m}
+    assert len(printed) == len(labelled_objectives()) * len(PRECISIONS)
+    for c in report["checks"]:
+        if c["name"].startswith("step "):
+            key = (c["data"]["objective"], c["data"]["precision"])
+            assert printed[key] == pytest.approx(c["data"]["rel_diff"], rel=1e-2, abs=1e-12)
+    counts = report["counts"]
+    summary = f"({counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped)"
+    assert summary in proc.stdout.splitlines()[-1]
+    bench = [c for c in report["checks"] if c["name"].startswith("throughput ")]
+    assert [c["data"]["objective"] for c in bench] == ["logit", "ckd"]
+    for c in bench:
+        assert c["data"]["tokens_per_s"] > 0 and c["data"]["peak_bytes"] > 0
+        assert f"{c['data']['tokens_per_s']:.0f} tokens/s" in c["line"]
+
+
+def test_exit_status_is_one_when_a_check_fails(tmp_path: Path, monkeypatch) -> None:
+    def failing(report, *args):
+        report.add("gloo all-reduce", "fail", "simulated")
+
+    monkeypatch.setattr(doctor, "check_collectives", failing)
+    monkeypatch.setattr(doctor, "check_precision_steps", lambda report, device: None)
+    monkeypatch.setattr(doctor, "check_throughput", lambda report, quick, device: None)
+    out = tmp_path / "sub" / "d.json"
+    assert doctor.main(["--out", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert report["ok"] is False and report["counts"]["fail"] == 1
+    assert [p.name for p in out.parent.iterdir()] == ["d.json"]  # no temporary file left
+
+
+def test_judge_applies_the_tolerance_and_finiteness() -> None:
+    ref = [doctor.StepResult(1.0, True, True, 1.0, 0)]
+    assert doctor.judge("bf16", [doctor.StepResult(1.04, True, True, 1.0, 0)], ref)[0]
+    assert doctor.judge("bf16", [doctor.StepResult(1.2, True, True, 1.0, 0)], ref)[:1] == (False,)
+    assert doctor.judge("fp16", [doctor.StepResult(1.0, True, False, math.inf, 8)], ref)[2] == "non-finite gradients"
+    assert doctor.judge("no", [doctor.StepResult(math.nan, False, True, 1.0, 0)], ref)[2] == "non-finite loss"
+
+
+def test_fixed_batch_spans_stay_inside_each_row() -> None:
+    b = doctor.fixed_batch(4, 16, 100)
+    lengths = b["attention_mask"].sum(1)
+    real = b["spans"][..., 0] >= 0
+    assert (real.sum(1) >= 3).all()  # MGSKD's span level needs 3 spans per example
+    assert (b["spans"][..., 1][real] <= lengths[:, None].expand_as(real)[real]).all()
+
+
+def test_bench_engine_fast_prints_the_ratios(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_engine.py"), "--fast", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for prec in ("fp32", "bf16"):
+        assert re.search(rf"\(a\) objective=ckd, {prec}: .*\n(.*\n){{3}}throughput ratio kdrun / naive: \d+\.\d\dx",
+                         proc.stdout), prec
+        assert re.search(rf"\(b\) {prec}, syncs per step: kdrun \d+(\.\d+)?, naive \d+", proc.stdout), prec
+    for name in ("ckd", "ckd_official", "mgskd", "minilm", "tinybert"):
+        assert re.search(rf"^{name}\s+\d+\.\d ms  ratio \d+\.\d{{3}}x", proc.stdout, re.M), name
+    res = json.loads(out.read_text())
+    # the naive step reads the loss, every term and the token count on the host; kdrun's step none of them
+    for r in res["engine_vs_naive"].values():
+        assert r["naive"]["syncs_per_step"] >= r["kdrun"]["syncs_per_step"] + 4
