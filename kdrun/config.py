@@ -66,6 +66,19 @@ class TaskConfig:
     max_train_samples: Optional[int] = None
     max_eval_samples: Optional[int] = None
     sample_seed: int = 42
+    # The rows the teacher fine-tunes on: ``same`` (the student's: max_train_samples), ``all`` (or
+    # null: the whole training split), or an integer N (the first N rows of the same seeded shuffle,
+    # so N >= max_train_samples rows contain the student's). A teacher that saw more data than its
+    # student is the papers' protocol; students of different subsamples then share one cached teacher.
+    teacher_max_train_samples: Any = "same"
+    # Model selection of the student (the best dev student kept): null = main_metric of the first
+    # eval split; a list of eval splits = the sum of main_metric over them (MNLI: matched +
+    # mismatched). The teacher always selects on the first split's main_metric.
+    selection_splits: Optional[List[str]] = None
+    # A student may be kept as the best only when its selection score is strictly better than this
+    # (above it; below it for a loss). null = no floor. When no evaluation of the stage passes it,
+    # the stage keeps no student: the last one (or an earlier stage's kept one) is the result.
+    selection_threshold: Optional[float] = None
     toy: Optional[ToyConfig] = None
     # ``classification`` (sentence / sentence-pair classification and regression), ``qa``
     # (extractive question answering on SQuAD v1.1 JSON, kdrun/qa/) or ``corpus`` (raw text for

@@ -85,8 +85,13 @@ TASK_KEYED_AS_DATA = {
                  "data_files", "tsv", "max_train_samples", "max_eval_samples", "sample_seed", "toy",
                  "split_by_article")
 }
+TASK_KEYED_AS_DATA["teacher_max_train_samples"] = (
+    "chooses the teacher's own training rows (teacher_train_data): the key takes the content hash of the rows "
+    "the teacher trains on, so students of different subsamples share the teacher fine-tuned on the same rows")
 TASK_NOT_IN_KEY = {
     "name": "a label (names in error messages and run names); the data it stands for is in the data hash",
+    "selection_splits": "selects the kept student only; the teacher selects on main_metric of the first eval split",
+    "selection_threshold": "a floor for keeping a student only; the teacher's selection has none",
     # corpus tasks only (task.kind=corpus): their teacher is used as it is, never fine-tuned or cached
     "validation_percent": "corpus tasks only: no teacher is fine-tuned for them",
     "min_segment_tokens": "corpus tasks only: no teacher is fine-tuned for them",
@@ -158,6 +163,58 @@ def teacher_train_cfg(train_cfg: Any, finetune_cfg: Any) -> DictConfig:
     return OmegaConf.create({**passed, **{k: fn(finetune_cfg) for k, fn in TRAIN_REPLACED.items()}})
 
 
+def teacher_train_limit(task: Any) -> tuple[bool, int | None]:
+    """(own rows, limit) from ``task.teacher_max_train_samples``: whether the teacher trains on other
+    rows than the student and then how many (None = the whole training split)."""
+    from kdrun.errors import ConfigError
+
+    value = task.get("teacher_max_train_samples", "same")
+    if value == "same":
+        return False, None
+    if value is None or value == "all":
+        limit = None
+    elif isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        limit = value
+    else:
+        raise ConfigError(f"task.teacher_max_train_samples={value!r}: use same (the student's rows), all (or null: "
+                          "the whole training split) or a positive number of rows")
+    return limit != task.get("max_train_samples"), limit
+
+
+def teacher_train_data(cfg: Any, data_hash: str, train: Any, tokenizer: Any) -> tuple[str, Callable[[], Any]]:
+    """The data hash for the teacher's cache key and a function that returns the tokenised training
+    split the teacher fine-tunes on.
+
+    By default these are the run's own (``data_hash``, ``train``). With ``task.teacher_max_train_samples``
+    drawing other rows, the task is loaded again with that many training rows (the same seeded
+    shuffle as the student's subsample), its content hash (the eval splits included, as for the
+    student) replaces ``data_hash`` and the rows are tokenised only when called (a cache miss).
+    """
+    own, limit = teacher_train_limit(cfg.task)
+    if not own:
+        return data_hash, lambda: train
+    import datasets
+
+    from kdrun.data.sources import load_task_data
+    from kdrun.run import data_fingerprint
+
+    task = OmegaConf.merge(cfg.task, {"max_train_samples": limit})
+    raw = load_task_data(task)
+    split = task.train_split
+
+    def tokenized() -> Any:
+        one = datasets.DatasetDict({split: raw[split]})
+        if task.kind == "qa":
+            from kdrun.qa.windows import tokenize_qa_splits
+
+            return tokenize_qa_splits(one, tokenizer, task)[split]
+        from kdrun.data.pipeline import tokenize_splits
+
+        return tokenize_splits(one, tokenizer, task.max_seq_length)[split]
+
+    return data_fingerprint(raw), tokenized
+
+
 def fine_tune_teacher(out: Path, new_model: Callable[[], Any], cfg: Any, accelerator: Any, train_data: Any,
                       eval_data: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     """Fine-tune a new teacher (``new_model()``, built after seeding) on the task into ``out/model``
@@ -189,12 +246,13 @@ def fine_tune_teacher(out: Path, new_model: Callable[[], Any], cfg: Any, acceler
         tracker=Tracker(out, OmegaConf.create({"name": "none"}), {}, "teacher", enabled=False),
         run_dir=out, config_hash="teacher",
     )
-    print(f"[kdrun] fine-tuning the teacher ({cfg.teacher.name}) on {task.name}")
+    print(f"[kdrun] fine-tuning the teacher ({cfg.teacher.name}) on {task.name} ({len(train_data)} training rows)")
     with teacher_accelerator(accelerator, ttcfg.gradient_accumulation_steps):
         _train_resumably(parts, plan, out)
     finalize_best(parts)
     save_model_files(accelerator.unwrap_model(model), out / "model")
     tokenizer.save_pretrained(out / "model")
+    write_json_atomic(out / "train_data.json", {"rows": len(train_data)})
     return evaluate(parts, model)
 
 
@@ -283,7 +341,8 @@ def get_teacher(
     """Load the cached fine-tuned teacher for ``key``, training it with ``train_fn(dir)`` if absent.
 
     ``train_fn`` writes the model (save_pretrained) into ``dir/model`` and returns its dev metrics.
-    Returns (model, info) where info has ``cached``, ``path``, ``metrics``, ``train_seconds``.
+    Returns (model, info) where info has ``cached``, ``path``, ``metrics``, ``train_seconds``, ``key``
+    and ``train_rows`` (the teacher's training rows; None for entries cached before it was recorded).
     """
 
     def build(tmp: Path) -> None:
@@ -297,8 +356,10 @@ def get_teacher(
         return load_fn(str(entry / "model")), json.loads((entry / "teacher.json").read_text())
 
     (model, meta), entry, cached = load_or_build(cache_root, "teachers", key, build, load, resumable=True)
+    rows = entry / "train_data.json"  # absent from entries cached before it was written
     return model, {"cached": cached, "path": str(entry / "model"), "metrics": meta["metrics"],
-                   "train_seconds": meta["train_seconds"], "key": key}
+                   "train_seconds": meta["train_seconds"], "key": key,
+                   "train_rows": json.loads(rows.read_text())["rows"] if rows.exists() else None}
 
 
 def save_model_files(model: Any, out: Path) -> None:

@@ -74,6 +74,9 @@ class RunParts:
     # Replaces prediction + metric_fn: (parts, model, stage index or None) -> {split: metrics}
     # (corpus tasks: the held-out distillation loss, kdrun/general/evaluate.py).
     evaluator: Callable[..., dict[str, dict[str, float]]] | None = None
+    # Model selection (task.selection_splits, task.selection_threshold; see main_score, evaluate_stage).
+    selection_splits: Any = None
+    selection_threshold: float | None = None
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -139,11 +142,18 @@ def evaluate(parts: RunParts, model: nn.Module, stage: int | None = None) -> dic
 
 
 def main_score(parts: RunParts, results: dict[str, dict[str, float]]) -> float:
-    """The first split's main metric, negated for losses (higher is always better here)."""
+    """The selection score, negated for losses (higher is always better here): the main metric of
+    the first eval split, or its sum over ``parts.selection_splits`` when set (MNLI: matched +
+    mismatched)."""
+    from kdrun.errors import ConfigError
     from kdrun.general import metric_sign
 
-    first = next(iter(results.values()))
-    return metric_sign(parts.main_metric) * float(first[parts.main_metric])
+    splits = list(parts.selection_splits or [next(iter(results))])
+    missing = [s for s in splits if s not in results]
+    if missing:
+        raise ConfigError(f"task.selection_splits names {missing}, which are not evaluated; the eval splits are "
+                          f"{list(results)} (task.eval_splits)")
+    return metric_sign(parts.main_metric) * sum(float(results[s][parts.main_metric]) for s in splits)
 
 
 # --------------------------------------------------------------------------------------- the stage
@@ -488,15 +498,20 @@ def _log(parts: RunParts, loop: StageLoop, state: TrainState) -> None:
 
 
 def evaluate_stage(parts: RunParts, plan: StagePlan, state: TrainState, tag: str) -> None:
-    """Evaluate the student on dev, record and log it, and keep it when it is the best so far."""
+    """Evaluate the student on dev, record and log it, and keep it when it is the best so far (and
+    strictly better than ``parts.selection_threshold`` when set)."""
+    from kdrun.general import metric_sign
+
     results = evaluate(parts, parts.student, plan.index)
     score = main_score(parts, results)
+    floor = parts.selection_threshold
+    eligible = floor is None or score > metric_sign(parts.main_metric) * float(floor)
     state.evals.append({"stage": plan.name, "step": state.global_step, "stage_step": state.stage_step, "at": tag,
                         "metrics": results})
     flat = {f"eval/{split}/{k}": v for split, m in results.items() for k, v in m.items()}
     parts.tracker.log({"stage": plan.name, **flat}, step=state.global_step)
-    if plan.cfg.get("select_best", True) and (state.best_metric is None or state.best_stage != plan.index
-                                               or score > state.best_metric):
+    if plan.cfg.get("select_best", True) and eligible and (state.best_metric is None or state.best_stage != plan.index
+                                                           or score > state.best_metric):
         state.best_metric, state.best_stage, state.best_step = score, plan.index, state.global_step
         save_best(parts, state)
     parts.student.train()

@@ -1,15 +1,19 @@
 """scripts/reproduce_glue.py end to end with tiny models on the real GLUE files: the grid, the
-choice on dev, the seeds at the chosen setting, and the report with p-values and the figure."""
+choice on dev, the seeds at the chosen setting, and the report with p-values and the figure; the
+tasks it covers, its dry run, its default seeds, and the teacher fine-tuned on more rows than its
+students (task.teacher_max_train_samples) and shared by them through the cache."""
 
 from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import GLUE, TINY, load_script
+from tests.conftest import GLUE, REPO, TINY, compose, load_script
 
 
 @pytest.mark.skipif(not (GLUE / "MRPC").exists(), reason="../shared/data/glue is absent")
@@ -68,3 +72,132 @@ def test_chosen_json_keeps_earlier_invocations(tmp_path: Path) -> None:
     merged = script.merged_choices(path, {"mrpc": {"ckd": {"dev": 9}}}, again, 5.0)
     assert merged["chosen"] == {"mrpc": {"ckd": {"dev": 9}, "logit": {"dev": 2}}, "sst2": {"ckd": {"dev": 3}}}
     assert [i["wall_seconds_until_report"] for i in merged["invocations"]] == [10.0, 5.0]
+
+
+# ------------------------------------------------------------------ tasks, seeds and the teacher's rows
+
+
+def test_covers_every_glue_task_kdrun_knows() -> None:
+    import yaml
+
+    script = load_script("reproduce_glue")
+    glue = {p.stem for p in (REPO / "conf" / "task").glob("*.yaml")
+            if "hub_config" in (yaml.safe_load(p.read_text()) or {})}
+    assert set(script.GLUE_DIRS) == glue == {"cola", "sst2", "mrpc", "stsb", "rte", "qnli", "mnli", "qqp", "wnli"}
+    assert script.parse_args(["--glue", "g"]).tasks.split(",") == list(script.GLUE_DIRS)
+    for task in script.GLUE_DIRS:  # every task composes with the study's preset and its teacher option
+        cfg = compose(["experiment=mini_glue", f"task={task}", "task.teacher_max_train_samples=all"])
+        assert cfg.task.name == task and cfg.task.max_train_samples == 1000
+    with pytest.raises(SystemExit):
+        script.parse_args(["--glue", "g", "--tasks", "rte,squad"])
+
+
+def test_default_seeds_allow_a_significant_sign_flip_test() -> None:
+    from kdrun.significance import min_seeds_for_sign_flip, min_sign_flip_p
+
+    args = load_script("reproduce_glue").parse_args(["--glue", "g"])
+    n = len(args.seeds.split(","))
+    assert n >= 5 and min_sign_flip_p(n) < 0.05 <= min_sign_flip_p(n - 1)  # 2/2^6 = 0.031, 2/2^5 = 0.0625
+    assert n == min_seeds_for_sign_flip(0.05) == 6
+    assert str(args.grid_seed) not in args.seeds.split(",")  # reported seeds are not the grid's
+
+
+def test_dry_run_prints_the_chosen_tasks_commands(tmp_path: Path) -> None:
+    """The acceptance command: python scripts/reproduce_glue.py --glue <dir> --tasks rte,qnli --dry-run."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce_glue.py"), "--glue", str(tmp_path / "glue"),
+                          "--tasks", "rte,qnli", "--dry-run", "--out", str(tmp_path / "study")],
+                         capture_output=True, text=True, check=True, cwd=REPO).stdout
+    cmds = [line[2:].split() for line in out.splitlines() if line.startswith("$ ")]
+    runs = [c for c in cmds if c[:2] == ["kdrun", "-m"]]
+    objectives = load_script("reproduce_glue").OBJECTIVES
+    assert len(runs) == 2 * 2 * len(objectives)  # grid + seeds per task and objective
+    for task, folder in (("rte", "RTE"), ("qnli", "QNLI")):
+        mine = [c for c in runs if f"task={task}" in c]
+        assert len(mine) == 2 * len(objectives)
+        for c in mine:
+            assert "experiment=mini_glue" in c and f"task.data_dir={tmp_path / 'glue' / folder}" in c
+            assert "task.teacher_max_train_samples=all" in c  # --teacher-full is the default
+        assert sum("seed=1,2,3,4,5,6" in c for c in mine) == len(objectives)
+    assert not any(f"task={t}" in c for c in runs for t in ("cola", "sst2", "mrpc", "stsb", "mnli", "qqp", "wnli"))
+    assert cmds[-1][0] == "kdrun-report"
+    assert not (tmp_path / "study").exists()  # a dry run writes nothing
+
+
+def test_teacher_options() -> None:
+    script = load_script("reproduce_glue")
+    rows = [script.common_overrides(script.parse_args(["--glue", "g", *opts]), "mrpc")
+            for opts in ([], ["--no-teacher-full"], ["--teacher-max-train-samples", "3000"])]
+    assert [[o for o in r if o.startswith("task.teacher_max_train_samples=")] for r in rows] == \
+        [["task.teacher_max_train_samples=all"], ["task.teacher_max_train_samples=same"],
+         ["task.teacher_max_train_samples=3000"]]
+
+
+TEACHER_RUN = [*TINY, "task=toy", "task.toy.num_train=160", "task.toy.num_validation=32", "objective=logit",
+               "train.epochs=1"]
+
+
+def test_teacher_trains_on_more_rows_and_is_shared_across_subsamples(tmp_path: Path) -> None:
+    """With task.teacher_max_train_samples=all the teacher fine-tunes on the whole toy split (160
+    rows) while the students train on 40 and 80: one cached teacher serves both. The default
+    (same) fine-tunes a teacher on the student's own 40 rows, under another key."""
+    import math
+
+    from kdrun.run import run
+
+    def go(name: str, *extra: str) -> dict:
+        return run(compose([*TEACHER_RUN, f"cache_dir={tmp_path / 'cache'}", *extra]), tmp_path / name)
+
+    a = go("a", "task.max_train_samples=40", "task.teacher_max_train_samples=all")
+    b = go("b", "task.max_train_samples=80", "task.teacher_max_train_samples=all")
+    batch = compose([*TEACHER_RUN, "objective=logit"]).objective.stages[0].batch_size
+    assert a["stages"][0]["steps"] == math.ceil(40 / batch) and b["stages"][0]["steps"] == math.ceil(80 / batch)
+    assert a["teacher"]["train_rows"] == 160 > 40 and not a["teacher"]["cached"]
+    assert b["teacher"]["cached"] and (b["teacher"]["key"], b["teacher"]["path"]) == (a["teacher"]["key"],
+                                                                                      a["teacher"]["path"])
+    same = go("c", "task.max_train_samples=40")
+    assert same["teacher"]["train_rows"] == 40 and not same["teacher"]["cached"]
+    assert same["teacher"]["key"] != a["teacher"]["key"]
+    assert len([p for p in (tmp_path / "cache" / "teachers").iterdir() if p.is_dir()]) == 2
+
+
+def test_teachers_rows_contain_the_students() -> None:
+    from kdrun.data.sources import load_task_data
+    from kdrun.teacher import teacher_train_data
+
+    cfg = compose([*TEACHER_RUN, "task.max_train_samples=40", "task.teacher_max_train_samples=100"])
+    student = load_task_data(cfg.task)["train"]["text_a"]
+    _, rows = teacher_train_data(cfg, "unused", None, _tokenizer(cfg))
+    assert len(rows()) == 100
+    teacher_cfg = compose([*TEACHER_RUN, "task.max_train_samples=100"])
+    teacher = load_task_data(teacher_cfg.task)["train"]["text_a"]
+    assert set(student) <= set(teacher) and teacher[:40] == student  # the same seeded shuffle, longer
+
+
+def _tokenizer(cfg):
+    from kdrun import models as M
+    from kdrun.preflight import preflight
+
+    refs = preflight(cfg)["refs"]
+    return M.load_tokenizer(next(refs[k] for k in ("teacher", "teacher_tokenizer", "student_tokenizer") if k in refs))
+
+
+@pytest.mark.parametrize("value,expected", [("same", (False, None)), ("all", (True, None)), (None, (True, None)),
+                                            (100, (True, 100)), (40, (False, 40))])
+def test_teacher_train_limit(value, expected) -> None:
+    from omegaconf import OmegaConf
+
+    from kdrun.teacher import teacher_train_limit
+
+    task = OmegaConf.create({"max_train_samples": 40, "teacher_max_train_samples": value})
+    assert teacher_train_limit(task) == expected
+
+
+@pytest.mark.parametrize("value", ["half", 0, -3, True])
+def test_teacher_train_limit_refuses_bad_values(value) -> None:
+    from omegaconf import OmegaConf
+
+    from kdrun.errors import ConfigError
+    from kdrun.teacher import teacher_train_limit
+
+    with pytest.raises(ConfigError, match="teacher_max_train_samples"):
+        teacher_train_limit(OmegaConf.create({"max_train_samples": None, "teacher_max_train_samples": value}))

@@ -233,6 +233,8 @@ NOT_IN_KEY_CHANGES = {
     "task.validation_percent": 5.0,
     "task.min_segment_tokens": 3,
     "task.mlm_probability": 0.2,
+    "task.selection_splits": ["validation"],
+    "task.selection_threshold": 0.5,
     "teacher.name": "renamed",
     "teacher.checkpoint": "/some/teacher",
     "teacher.dtype": "bf16",
