@@ -60,8 +60,10 @@ def resolve_device(device: Any = None) -> torch.device:
 
 def _autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     if precision == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "cuda":  # native bf16 only (emulated bf16 on pre-Ampere GPUs is slow)
+            from kdrun.precision import native_bf16
+
+            return torch.bfloat16 if native_bf16() else torch.float16
         return None
     if precision == "fp32":
         return None
