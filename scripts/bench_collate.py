@@ -30,8 +30,9 @@ TOKEN_COLUMNS = ("input_ids", "attention_mask", "token_type_ids")
 
 def naive_collate(rows: list[dict[str, Any]], pad_token_id: int, regression: bool,
                   pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    """The reference: padding row by row, as kdrun collated before it built one tensor per key."""
     width = pad_to or max(len(r["input_ids"]) for r in rows)
-    batch: dict[str, torch.Tensor] = {}
+    batch = {}
     for key in TOKEN_COLUMNS:
         if key not in rows[0]:
             continue
@@ -41,36 +42,47 @@ def naive_collate(rows: list[dict[str, Any]], pad_token_id: int, regression: boo
         batch[key] = t
     batch["labels"] = torch.tensor([r["labels"] for r in rows], dtype=torch.float32 if regression else torch.long)
     batch["idx"] = torch.tensor([r["idx"] for r in rows], dtype=torch.long)
+    if "spans" in rows[0]:
+        most = max(len(r["spans"]) for r in rows)
+        sp = torch.full((len(rows), most, 2), -1, dtype=torch.long)
+        for i, r in enumerate(rows):
+            if r["spans"]:
+                sp[i, : len(r["spans"])] = torch.as_tensor(r["spans"], dtype=torch.long).view(-1, 2)
+        batch["spans"] = sp
     return batch
 
 
-def naive_corpus_collate(rows: list[dict[str, Any]], pad_token_id: int, mask_token_id: int, vocab_size: int,
-                         probability: float, seed: int) -> dict[str, torch.Tensor]:
-    width = max(len(r["input_ids"]) for r in rows)
+def naive_corpus_collate(rows: list[dict], pad_token_id: int, mask_token_id: int | None, vocab_size: int,
+                         probability: float, seed: int, pad_to: int | None = None) -> dict:
+    """The reference corpus collator: row by row, each segment masked from its own (seed, idx) generator."""
+    width = pad_to or max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     positions, targets = [], []
     for i, r in enumerate(rows):
         seq = torch.as_tensor(r["input_ids"], dtype=torch.long)
-        rng = np.random.default_rng([seed, int(r["idx"])])
-        inner = np.arange(1, len(seq) - 1)
-        k = max(1, int(round(probability * len(inner))))
-        chosen = np.sort(rng.choice(inner, size=min(k, len(inner)), replace=False))
-        roll = rng.random(len(chosen))
-        new = seq[torch.as_tensor(chosen)].numpy().copy()
-        new[roll < 0.8] = mask_token_id
-        rand = (roll >= 0.8) & (roll < 0.9)
-        new[rand] = rng.integers(0, vocab_size, size=int(rand.sum()))
-        chosen_t = torch.as_tensor(chosen, dtype=torch.long)
-        positions.append(i * width + chosen_t)
-        targets.append(seq[chosen_t].clone())
-        seq = seq.clone()
-        seq[chosen_t] = torch.as_tensor(new, dtype=torch.long)
+        if mask_token_id is not None:
+            rng = np.random.default_rng([seed, int(r["idx"])])
+            inner = np.arange(1, len(seq) - 1)
+            k = max(1, int(round(probability * len(inner))))
+            chosen = np.sort(rng.choice(inner, size=min(k, len(inner)), replace=False))
+            roll = rng.random(len(chosen))
+            new = seq[torch.as_tensor(chosen)].numpy().copy()
+            new[roll < 0.8] = mask_token_id
+            rand = (roll >= 0.8) & (roll < 0.9)
+            new[rand] = rng.integers(0, vocab_size, size=int(rand.sum()))
+            chosen_t = torch.as_tensor(chosen, dtype=torch.long)
+            positions.append(i * width + chosen_t)
+            targets.append(seq[chosen_t].clone())
+            seq = seq.clone()
+            seq[chosen_t] = torch.as_tensor(new, dtype=torch.long)
         ids[i, : len(seq)] = seq
         mask[i, : len(seq)] = 1
-    return {"input_ids": ids, "attention_mask": mask,
-            "idx": torch.tensor([int(r["idx"]) for r in rows], dtype=torch.long),
-            "mlm_positions": torch.cat(positions), "mlm_targets": torch.cat(targets)}
+    batch = {"input_ids": ids, "attention_mask": mask,
+             "idx": torch.tensor([int(r["idx"]) for r in rows], dtype=torch.long)}
+    if mask_token_id is not None:
+        batch["mlm_positions"], batch["mlm_targets"] = torch.cat(positions), torch.cat(targets)
+    return batch
 
 
 # ------------------------------------------------------------------------------------------ the data

@@ -13,6 +13,7 @@ import torch
 
 from kdrun.cache import content_hash, get_or_build, staging_dir, write_json_atomic
 from kdrun.data.pipeline import Collator, LengthGroupedBatchSampler
+from tests.conftest import load_script
 
 
 def lengths(n: int = 1000, seed: int = 0) -> list[int]:
@@ -107,60 +108,9 @@ def test_concurrent_builders_build_once(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ vectorised collation, loaders
 
-def naive_collate(rows: list[dict], pad_token_id: int, regression: bool, pad_to: int | None = None) -> dict:
-    """The reference: padding row by row, as kdrun collated before it built one tensor per key."""
-    width = pad_to or max(len(r["input_ids"]) for r in rows)
-    batch = {}
-    for key in ("input_ids", "attention_mask", "token_type_ids"):
-        if key not in rows[0]:
-            continue
-        t = torch.full((len(rows), width), pad_token_id if key == "input_ids" else 0, dtype=torch.long)
-        for i, r in enumerate(rows):
-            t[i, : len(r[key])] = torch.as_tensor(r[key], dtype=torch.long)
-        batch[key] = t
-    batch["labels"] = torch.tensor([r["labels"] for r in rows], dtype=torch.float32 if regression else torch.long)
-    batch["idx"] = torch.tensor([r["idx"] for r in rows], dtype=torch.long)
-    if "spans" in rows[0]:
-        most = max(len(r["spans"]) for r in rows)
-        sp = torch.full((len(rows), most, 2), -1, dtype=torch.long)
-        for i, r in enumerate(rows):
-            if r["spans"]:
-                sp[i, : len(r["spans"])] = torch.as_tensor(r["spans"], dtype=torch.long).view(-1, 2)
-        batch["spans"] = sp
-    return batch
-
-
-def naive_corpus_collate(rows: list[dict], pad_token_id: int, mask_token_id: int | None, vocab_size: int,
-                         probability: float, seed: int, pad_to: int | None = None) -> dict:
-    """The reference corpus collator: row by row, each segment masked from its own (seed, idx) generator."""
-    width = pad_to or max(len(r["input_ids"]) for r in rows)
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    positions, targets = [], []
-    for i, r in enumerate(rows):
-        seq = torch.as_tensor(r["input_ids"], dtype=torch.long)
-        if mask_token_id is not None:
-            rng = np.random.default_rng([seed, int(r["idx"])])
-            inner = np.arange(1, len(seq) - 1)
-            k = max(1, int(round(probability * len(inner))))
-            chosen = np.sort(rng.choice(inner, size=min(k, len(inner)), replace=False))
-            roll = rng.random(len(chosen))
-            new = seq[torch.as_tensor(chosen)].numpy().copy()
-            new[roll < 0.8] = mask_token_id
-            rand = (roll >= 0.8) & (roll < 0.9)
-            new[rand] = rng.integers(0, vocab_size, size=int(rand.sum()))
-            chosen_t = torch.as_tensor(chosen, dtype=torch.long)
-            positions.append(i * width + chosen_t)
-            targets.append(seq[chosen_t].clone())
-            seq = seq.clone()
-            seq[chosen_t] = torch.as_tensor(new, dtype=torch.long)
-        ids[i, : len(seq)] = seq
-        mask[i, : len(seq)] = 1
-    batch = {"input_ids": ids, "attention_mask": mask,
-             "idx": torch.tensor([int(r["idx"]) for r in rows], dtype=torch.long)}
-    if mask_token_id is not None:
-        batch["mlm_positions"], batch["mlm_targets"] = torch.cat(positions), torch.cat(targets)
-    return batch
+# The references: row by row, as kdrun collated before (the collation benchmark's naive side).
+_BENCH = load_script("bench_collate")
+naive_collate, naive_corpus_collate = _BENCH.naive_collate, _BENCH.naive_corpus_collate
 
 
 def assert_same_batch(got: dict, want: dict) -> None:
