@@ -72,13 +72,15 @@ class Balancer(nn.Module):
         total = (w.detach() * s).sum()
         if shared is None or not torch.is_grad_enabled():
             return total
-        norms = torch.stack([_grad_norm(x, shared) for x in summands])  # ‖∇_W S_i‖, constants
+        # ‖∇_W S_i‖, constants; a non-finite norm (an fp16 overflow) counts as 0 for this step
+        norms = torch.nan_to_num(torch.stack([_grad_norm(x, shared) for x in summands]), nan=0.0, posinf=0.0)
         initial = getattr(self, f"initial{stage}")
         initial.copy_(torch.where(torch.isnan(initial), s.detach(), initial))
-        ratio = s.detach() / initial.clamp_min(1e-12)
+        # a loss rounded to just below 0 (a KL of identical distributions) must not make r_i^α NaN
+        ratio = s.detach().clamp_min(0) / initial.clamp_min(1e-12)
         rate = ratio / ratio.mean().clamp_min(1e-12)
         g = w * norms
-        target = (g.mean() * rate.pow(self.alpha)).detach()
+        target = torch.nan_to_num(g.mean() * rate.pow(self.alpha), nan=0.0, posinf=0.0).detach()
         grad_loss = (g - target).abs().sum()
         return total + (grad_loss - grad_loss.detach())  # the value is the loss; w also gets grad_loss's gradient
 
