@@ -177,6 +177,13 @@ class ModelConfig:
     # Teacher only: the dtype of the frozen teacher's weights while distilling: ``auto`` (the
     # training precision: bf16/fp16 under mixed precision, fp32 otherwise), ``fp32``, ``bf16``, ``fp16``.
     dtype: str = "auto"
+    # Teacher only: the teacher-output store (kdrun/teacher_store.py): ``auto`` reads a frozen
+    # teacher's outputs from the cache where that is faster than running it (building them once),
+    # ``on`` always where the stage's features can be stored, ``off`` runs the teacher live.
+    store: str = "auto"
+    # The store's dtype (fp16, bf16, fp32) and the largest entry it builds (GiB; larger: live).
+    store_dtype: str = "fp16"
+    store_max_gb: float = 8.0
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
 

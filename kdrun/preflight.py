@@ -54,6 +54,7 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
         raise ConfigError(f"objective.balance='{cfg.objective.balance}' must be one of {', '.join(BALANCE_METHODS)}")
     if cfg.teacher.dtype not in ("auto", "fp32", "bf16", "fp16"):
         raise ConfigError(f"teacher.dtype='{cfg.teacher.dtype}' must be auto, fp32, bf16 or fp16")
+    _check_store(cfg.teacher)
     try:  # checked here, not at the first evaluation after the teacher has trained
         check_metric_names(list(cfg.task.metrics), cfg.task.num_labels == 1, cfg.task.kind)
     except ValueError as e:
@@ -187,3 +188,14 @@ def _plan_augmentation(cfg: DictConfig, plans: list) -> None:
     from kdrun.augment import check_augmentation
 
     check_augmentation(aug)
+
+
+def _check_store(teacher: Any) -> None:
+    from kdrun.teacher_store import STORE_DTYPES, STORE_MODES
+
+    if teacher.store not in STORE_MODES:
+        raise ConfigError(f"teacher.store='{teacher.store}' must be one of {', '.join(STORE_MODES)}")
+    if teacher.store_dtype not in STORE_DTYPES:
+        raise ConfigError(f"teacher.store_dtype='{teacher.store_dtype}' must be one of {', '.join(STORE_DTYPES)}")
+    if not teacher.store_max_gb > 0:
+        raise ConfigError(f"teacher.store_max_gb={teacher.store_max_gb} must be > 0 (teacher.store=off turns it off)")

@@ -305,7 +305,17 @@ def make_parts(session: Session, data: RunData, models: Models):
                     train_cfg=cfg.train,
                     tracker=session.tracker, run_dir=session.run_dir, config_hash=session.config_hash,
                     log_every=cfg.logger.log_every_steps, rank=acc.process_index, world_size=acc.num_processes,
-                    augmented_data=data.augmented)
+                    augmented_data=data.augmented, store=store_settings(cfg, data))
+
+
+def store_settings(cfg: DictConfig, data: RunData):
+    """The teacher-output store's settings (teacher.store*) and the parts of its key the trainer
+    cannot see (tokenizer, max length, the teacher's dtype, the task kind)."""
+    from kdrun.teacher_store import StoreSettings
+
+    return StoreSettings(mode=cfg.teacher.store, dtype=cfg.teacher.store_dtype, max_gb=cfg.teacher.store_max_gb,
+                         cache_dir=cfg.cache_dir, key={"tokenizer": data.tok_hash, "max_len": cfg.task.max_seq_length,
+                                                       "teacher_dtype": cfg.teacher.dtype, "kind": cfg.task.kind})
 
 
 def load_teacher(session: Session, data: RunData) -> Models:

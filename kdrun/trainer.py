@@ -77,6 +77,8 @@ class RunParts:
     # Model selection (task.selection_splits, task.selection_threshold; see main_score, evaluate_stage).
     selection_splits: Any = None
     selection_threshold: float | None = None
+    # The teacher-output store's settings (kdrun/teacher_store.py); None: the teacher runs live.
+    store: Any = None
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -311,6 +313,8 @@ class StageLoop:
     log_every: int = 10
     # The teacher's logits for every training row (teacher_logits_only stages, when cached).
     teacher_table: torch.Tensor | None = None
+    # The stage's teacher-output store: batches then carry the teacher's outputs (teacher/*).
+    store: Any = None
     # logger.grad_shares: the parameters per-term gradients are measured on (last micro-batch of a logged step).
     share_params: list[torch.Tensor] | None = None
     meter: _Meter = field(default_factory=_Meter)
@@ -326,14 +330,17 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
     train_data = parts.augmented_data if cfg["data"] == "augmented" else parts.train_data
     if train_data is None:
         raise RuntimeError(f"stage '{plan.name}' trains on augmented data but none was built")
+    from kdrun.dynabert.train import start_adaptive
+    from kdrun.teacher_store import StoreCollator, open_stage_store
+
+    adaptive = start_adaptive(parts, plan, state)  # None unless the stage sets adaptive.phase
+    store = open_stage_store(parts, plan, train_data, adaptive is not None)
     loader, sampler = make_loader(
-        train_data, cfg["batch_size"], parts.collator, seed=tcfg.seed + 1000 * plan.index, train=True,
+        train_data, cfg["batch_size"], StoreCollator(parts.collator, store) if store else parts.collator,
+        seed=tcfg.seed + 1000 * plan.index, train=True,
         group_by_length=tcfg.group_by_length, num_workers=resolve_num_workers(tcfg.num_workers, acc.device.type),
         pin_memory=acc.device.type == "cuda", rank=parts.rank, world_size=parts.world_size,
     )
-    from kdrun.dynabert.train import start_adaptive
-
-    adaptive = start_adaptive(parts, plan, state)  # None unless the stage sets adaptive.phase
     wrap_for_stage(parts, plan, adaptive is not None)
     batches_per_epoch = len(sampler.batches())
     steps_per_epoch = max(1, batches_per_epoch // tcfg.gradient_accumulation_steps)
@@ -348,15 +355,15 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
     if resume_from is not None:
         load_optim_rng(resume_from, optimizer, scheduler, rank=parts.rank, precision=acc.precision)
     table = None
-    if (plan.uses_teacher and plan.teacher_logits_only and tcfg.cache_teacher_logits and cfg["data"] == "original"
-            and adaptive is None):
+    if (store is None and plan.uses_teacher and plan.teacher_logits_only and tcfg.cache_teacher_logits
+            and cfg["data"] == "original" and adaptive is None):
         table = _teacher_logit_table(parts, plan)
     measure = getattr(parts.tracker, "grad_shares", False)
     pbar = tqdm(total=total_steps, initial=state.stage_step, desc=f"stage {plan.index}:{plan.name}",
                 disable=not acc.is_main_process, dynamic_ncols=True, mininterval=2.0)
     return StageLoop(plan, loader, sampler, optimizer, scheduler, batches_per_epoch, total_steps,
                      num_epochs=math.ceil(total_steps / steps_per_epoch), pbar=pbar, log_every=max(1, parts.log_every),
-                     teacher_table=table, strategy=adaptive or PlainStep(),
+                     teacher_table=table, store=store, strategy=adaptive or PlainStep(),
                      share_params=[p for p in parts.student.parameters() if p.requires_grad] if measure else None)
 
 
@@ -401,6 +408,8 @@ def teacher_features(parts: RunParts, loop: StageLoop, batch: dict[str, Any]) ->
     under ``no_grad`` (not inference mode), so they join the student's graph without copies."""
     if not loop.plan.uses_teacher:
         return None
+    if loop.store is not None:
+        return loop.store.features(batch, loop.plan.teacher_needs)
     if loop.teacher_table is not None:
         logits = loop.teacher_table[batch["idx"]]
         if logits.dim() == 3:  # QA: the table is as wide as the widest window, the batch as its own

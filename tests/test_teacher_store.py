@@ -1,0 +1,160 @@
+"""The teacher-output store: a frozen teacher's outputs computed once per (teacher, data, features),
+read back exactly, shared by the runs of a sweep, rebuilt when damaged, and giving the student a
+live teacher gives (fp32 store)."""
+
+from __future__ import annotations
+
+import io
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kdrun.run import run
+from tests.conftest import TINY, TOY, compose
+
+# tinybert's stages read hidden states, attention scores (from Q and K) and logits
+TINYBERT = ["objective=tinybert", "objective.params.intermediate_epochs=1", "objective.params.prediction_epochs=1"]
+
+
+def quiet_run(cfg, run_dir: Path) -> str:
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        run(cfg, run_dir)
+    return buf.getvalue()
+
+
+def student(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "student" / "model.safetensors"))
+
+
+def entries(cache: Path) -> list[Path]:
+    return sorted(p for p in (cache / "teacher_outputs").glob("*") if p.is_dir() and not p.name.startswith("."))
+
+
+def test_store_run_gives_the_live_teachers_student(run_cfg, cache_dir: Path, tmp_path: Path) -> None:
+    live = quiet_run(run_cfg(*TINYBERT, "teacher.store=off"), tmp_path / "live")
+    assert "teacher store" not in live
+    out = quiet_run(run_cfg(*TINYBERT, "teacher.store=on", "teacher.store_dtype=fp32"), tmp_path / "stored")
+    assert out.count("teacher store: building") == 2 and "the teacher does not run" in out
+    a, b = student(tmp_path / "live"), student(tmp_path / "stored")
+    # equal up to the last bits a batch's padding width changes in the teacher's kernels
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    moved = load_file(str(next((cache_dir / "teachers").glob("*/model/model.safetensors"))))
+    assert max(float((a[k] - moved[k]).abs().max()) for k in a if k in moved and moved[k].shape == a[k].shape) > 1e-3
+
+
+def test_stored_features_equal_the_live_teachers(run_cfg, cache_dir: Path, tmp_path: Path) -> None:
+    """Naive twin: the teacher run live on a padded batch, against the store gathered for that batch."""
+    from kdrun.data.pipeline import make_loader
+    from kdrun.features import extract_features
+    from kdrun.models import load_classifier
+    from kdrun.teacher_store import StoreCollator, StoreReader
+
+    quiet_run(run_cfg(*TINYBERT, "teacher.store=on", "teacher.store_dtype=fp32"), tmp_path / "r")
+    entry = next(e for e in entries(cache_dir) if "qkv" in StoreReader(e).meta["kinds"])
+    reader = StoreReader(entry)
+    assert {"hidden_states", "qkv"} <= set(reader.meta["kinds"]) and reader.meta["dtype"] == "float32"
+    teacher_dir = str(next((cache_dir / "teachers").glob("*/model")))
+    teacher = load_classifier(teacher_dir, 2).eval()
+    from kdrun.data.pipeline import Collator, tokenize_splits
+    from kdrun.data.sources import load_task_data
+    from kdrun.models import load_tokenizer
+
+    cfg = run_cfg(*TINYBERT)
+    tok = load_tokenizer(teacher_dir)
+    train = tokenize_splits(load_task_data(cfg.task), tok, cfg.task.max_seq_length)["train"]
+    collator = StoreCollator(Collator(tok.pad_token_id, False), reader)
+    loader, sampler = make_loader(train, 16, collator, seed=3, train=True)
+    sampler.set_epoch(0)
+    batch = next(iter(loader))
+    with torch.no_grad():
+        live = extract_features(teacher, batch, frozenset({"hidden_states", "qkv"}))
+    stored = reader.features(batch, frozenset({"hidden_states", "attention_scores"}))
+    mask = batch["attention_mask"].bool()
+    for h_live, h_store in zip(live.hidden_states, stored.hidden_states, strict=True):
+        assert torch.allclose(h_live[mask], h_store[mask], atol=1e-5)
+        assert torch.all(h_store[~mask] == 0)  # unpadded storage: nothing past a row's length
+    for layer in (1, teacher.config.num_hidden_layers):
+        q = live.qkv().projection("q", layer)
+        assert torch.allclose(q[mask], stored.qkv().projection("q", layer)[mask], atol=1e-5)
+        s_live, s_store = live.attention_scores(layer), stored.attention_scores(layer)
+        keys = mask[:, None, None, :] & mask[:, None, :, None]
+        assert torch.allclose(s_live[keys.expand_as(s_live)], s_store[keys.expand_as(s_store)], atol=1e-4)
+
+
+def test_sweep_builds_once_and_a_damaged_entry_is_rebuilt(run_cfg, cache_dir: Path, tmp_path: Path) -> None:
+    logs = [quiet_run(run_cfg("objective=logit", f"seed={s}", "teacher.store=on"), tmp_path / f"s{s}") for s in (1, 2, 3)]
+    assert "teacher store: building logits" in logs[0]
+    assert all("building" not in x and "from the cache" in x for x in logs[1:])
+    (entry,) = entries(cache_dir)
+    assert StoreReader_meta(entry)["dtype"] == "float16"
+    (entry / "logits.npy").write_bytes((entry / "logits.npy").read_bytes()[:-3])  # truncated
+    out = quiet_run(run_cfg("objective=logit", "seed=4", "teacher.store=on"), tmp_path / "s4")
+    assert "is damaged" in out and "teacher store: building logits" in out
+    assert len(entries(cache_dir)) == 1 and (cache_dir / "teacher_outputs" / ".damaged").is_dir()
+
+
+def StoreReader_meta(entry: Path) -> dict:
+    from kdrun.teacher_store import StoreReader
+
+    return StoreReader(entry).meta
+
+
+def test_size_cap_and_off_run_the_teacher_live(run_cfg, cache_dir: Path, tmp_path: Path) -> None:
+    out = quiet_run(run_cfg("objective=logit", "teacher.store=on", "teacher.store_max_gb=1e-9"), tmp_path / "cap")
+    assert "more than teacher.store_max_gb=1e-09; running the teacher live" in out
+    assert not entries(cache_dir)
+
+
+def test_what_cannot_be_stored_says_why() -> None:
+    from transformers import BertConfig, BertModel
+
+    from kdrun.teacher_store import why_not_storable
+
+    bert = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=16))
+    assert why_not_storable(frozenset({"logits", "hidden_states", "qkv"}), bert, False) is None
+    assert "attentions" in why_not_storable(frozenset({"logits", "attentions"}), bert, False)
+    assert "mlm_logits" in why_not_storable(frozenset({"mlm_logits"}), bert, False)
+    assert "DynaBERT" in why_not_storable(frozenset({"logits"}), bert, True)
+
+
+def test_gather_pads_rows_like_a_naive_loop(tmp_path: Path) -> None:
+    """The vectorised gather against slicing each row out of the flat arrays by hand."""
+    from kdrun.teacher_store import StoreReader
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 9, size=12)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    hidden = rng.standard_normal((offsets[-1], 3)).astype(np.float16)
+    logits = rng.standard_normal((12, 2)).astype(np.float16)
+    np.save(tmp_path / "offsets.npy", offsets)
+    np.save(tmp_path / "hidden.0.npy", hidden)
+    np.save(tmp_path / "logits.npy", logits)
+    import json
+
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "float16", "arrays": {
+        "hidden.0": {"per_token": True, "width": 3}, "logits": {"per_token": False, "width": 2}}}))
+    idx = np.array([7, 2, 11, 0])
+    got = StoreReader(tmp_path).gather(idx, 10)
+    for r, i in enumerate(idx):
+        n = lengths[i]
+        want = np.zeros((10, 3), np.float16)
+        want[:n] = hidden[offsets[i]: offsets[i] + n]
+        assert np.array_equal(got["teacher/hidden.0"][r].numpy(), want)
+        assert np.array_equal(got["teacher/logits"][r].numpy(), logits[i])
+
+
+def test_store_settings_are_checked_at_compose_time() -> None:
+    from kdrun.errors import ConfigError
+    from kdrun.preflight import _check_store
+
+    cfg = compose([*TINY, *TOY, "teacher.store=sometimes"])
+    with pytest.raises(ConfigError, match="teacher.store='sometimes' must be one of auto, on, off"):
+        _check_store(cfg.teacher)
+    with pytest.raises(ConfigError, match="teacher.store_dtype='int8'"):
+        _check_store(compose([*TINY, *TOY, "teacher.store_dtype=int8"]).teacher)
