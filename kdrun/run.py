@@ -9,7 +9,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +147,8 @@ class Session:
     config_hash: str
     t_start: float
     tracker: Any = None
+    # The teacher's forward passes while distilling (store builds, logit tables, live batches).
+    teacher_forwards: dict[str, int] = field(default_factory=lambda: {"batches": 0, "rows": 0})
 
     def needs(self, role: str) -> frozenset[str]:
         """What the objective's stages read from the student's or the teacher's forward pass."""
@@ -478,6 +480,8 @@ def train_stages(session: Session, parts, progress: dict[str, Any] | None = None
     if progress is not None:  # error.json says how far a failed run got
         progress["state"] = state
     resume_from = ckpt if state.global_step > 0 or state.stage > 0 else None
+    if parts.teacher is not None:
+        count_forwards(parts.teacher, session.teacher_forwards)
     try:
         with PreemptionGuard() as guard:
             parts.guard = guard
@@ -488,6 +492,16 @@ def train_stages(session: Session, parts, progress: dict[str, Any] | None = None
         session.tracker.finish()
         raise
     return state, time.perf_counter() - t0
+
+
+def count_forwards(model, counts: dict[str, int]) -> None:
+    """Count ``model``'s forward passes and rows into ``counts`` (results.json ``teacher_forward``)."""
+    def hook(_module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        counts["batches"] += 1
+        counts["rows"] += int(ids.shape[0]) if ids is not None else 0
+
+    getattr(model, "_orig_mod", model).register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def write_outputs(session: Session, data: RunData, models: Models, parts, state, stages_s: float) -> dict[str, Any]:
@@ -546,6 +560,7 @@ def _summary(session: Session, data: RunData, models: Models, state, final_metri
         "stages": state.stage_results,
         "evals": state.evals,
         "layer_pairs": models.objective.layer_pairs,
+        "teacher_forward": dict(session.teacher_forwards),
         "augmentation": aug,
         "baseline": run_baseline(cfg.task, data.train, data.eval),
         "timings": {"total_s": time.perf_counter() - session.t_start, "data_s": data.seconds,

@@ -158,3 +158,55 @@ def test_store_settings_are_checked_at_compose_time() -> None:
         _check_store(cfg.teacher)
     with pytest.raises(ConfigError, match="teacher.store_dtype='int8'"):
         _check_store(compose([*TINY, *TOY, "teacher.store_dtype=int8"]).teacher)
+
+
+def test_two_processes_store_run_gives_the_live_teachers_student(tmp_path: Path) -> None:
+    """DDP (2 gloo processes): rank 0 builds the entry, both ranks read it; the student equals the
+    live teacher's two-process student (fp32 store)."""
+    from tests.test_ddp import torchrun
+    from tests.test_sweeps import weights
+
+    args = [*TINY, *TOY, *TINYBERT, f"cache_dir={tmp_path}/cache"]
+    live = torchrun(tmp_path, *args, "teacher.store=off", f"output_dir={tmp_path}/live")
+    assert live.returncode == 0, live.stdout[-2000:] + live.stderr[-3000:]
+    stored = torchrun(tmp_path, *args, "teacher.store=on", "teacher.store_dtype=fp32", f"output_dir={tmp_path}/stored")
+    assert stored.returncode == 0, stored.stdout[-2000:] + stored.stderr[-3000:]
+    assert stored.stdout.count("teacher store: building") == 2  # rank 0 only, once per stage
+    assert stored.stdout.count("the teacher does not run") == 2
+    a, b = weights(tmp_path / "live"), weights(tmp_path / "stored")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
+def test_results_count_the_teachers_forwards(run_cfg, tmp_path: Path) -> None:
+    """Live: every training batch runs the teacher; stored: one pass over the training rows builds
+    the entry, and a second run runs it not at all."""
+    import json
+
+    def forwards(name: str, *extra: str) -> dict:
+        quiet_run(run_cfg("objective=minilm", "train.epochs=2", *extra), tmp_path / name)
+        return json.loads((tmp_path / name / "results.json").read_text())["teacher_forward"]
+
+    # minilm: a relations stage (live: every batch of both epochs of the 160 toy rows) and a
+    # prediction stage (live: its in-run logit table, one pass); stored: one pass per stage's entry
+    assert forwards("live", "teacher.store=off")["rows"] == 2 * 160 + 160
+    assert forwards("build", "teacher.store=on")["rows"] == 160 + 160
+    assert forwards("read", "teacher.store=on") == {"batches": 0, "rows": 0}
+
+
+def test_bench_store_fast_mode(tmp_path: Path) -> None:
+    """scripts/bench_store.py in its fast mode: the stored sweep runs the teacher once per stage's
+    entry instead of for every run, and trains the same students."""
+    import json
+
+    from tests.conftest import load_script
+
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        load_script("bench_store").main(["--fast", "--out", str(tmp_path / "b"), "--cache", str(tmp_path / "c")])
+    res = json.loads((tmp_path / "b" / "bench_store.json").read_text())
+    # two entries for 4 runs: logits (logit's stage and minilm's prediction stage share it) and
+    # minilm's Q/K/V; each built by one pass over the 160 toy rows
+    assert res["off"]["entries"] == 0 and res["on"]["entries"] == 2
+    assert res["on"]["teacher_rows"] == 2 * 160 < res["off"]["teacher_rows"]
+    assert res["on"]["score"] == pytest.approx(res["off"]["score"], abs=0.05)
+    assert "speed-up of the sweep with the store" in buf.getvalue()
