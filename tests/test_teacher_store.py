@@ -210,3 +210,20 @@ def test_bench_store_fast_mode(tmp_path: Path) -> None:
     assert res["on"]["teacher_rows"] == 2 * 160 < res["off"]["teacher_rows"]
     assert res["on"]["score"] == pytest.approx(res["off"]["score"], abs=0.05)
     assert "speed-up of the sweep with the store" in buf.getvalue()
+
+
+def test_bench_peers_fast_mode(tmp_path: Path) -> None:
+    """scripts/bench_peers.py in its fast mode (kdrun with and without the store on toy sentences):
+    the table is printed and both runs trained the same student from the same start."""
+    import json
+
+    from tests.conftest import load_script
+
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        load_script("bench_peers").main(["--fast", "--out", str(tmp_path / "p")])
+    rows = {r["tool"]: r for r in json.loads((tmp_path / "p" / "bench_peers.json").read_text())}
+    assert set(rows) == {"kdrun", "kdrun-nostore"}
+    assert rows["kdrun"]["tokens_per_s"] > 0 and rows["kdrun"]["peak_rss_mb"] > 100
+    assert rows["kdrun"]["dev_accuracy"] == pytest.approx(rows["kdrun-nostore"]["dev_accuracy"], abs=0.05)
+    assert "tokens/s" in buf.getvalue()
