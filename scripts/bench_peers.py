@@ -154,6 +154,51 @@ def run_textbrewer(args: argparse.Namespace, work_dir: Path, work: dict) -> tupl
     return time.perf_counter() - t0, student
 
 
+def _bert_path(layer: int) -> str:
+    """Module whose output is hidden state ``layer`` (0: embeddings) of a BERT classifier."""
+    return "bert.embeddings" if layer == 0 else f"bert.encoder.layer.{layer - 1}.output"
+
+
+def torchdistill_config(args: argparse.Namespace) -> dict:
+    """torchdistill's training config (what its YAML files hold): forward hooks on the classifier
+    and the paired layers, KDLoss (soft targets only) + MSE per pair, AdamW, no scheduler."""
+    hooks = lambda side: {"forward_hook": {"input": [], "output": sorted(  # noqa: E731
+        {_bert_path(p[side]) for p in PAIRS} | {"classifier"})}, "forward_proc": "forward_batch_only_as_kwargs",
+        "wrapper": None, "requires_grad": side == 0}
+    terms = {"kd": {"criterion": {"key": "KDLoss", "kwargs": {
+        "student_module_path": "classifier", "student_module_io": "output", "teacher_module_path": "classifier",
+        "teacher_module_io": "output", "temperature": 1.0, "alpha": 0.0, "reduction": "batchmean"}}, "weight": 1.0}}
+    for s, t in PAIRS:
+        terms[f"hidden{s}"] = {
+            "criterion": {"key": "MSELoss", "kwargs": {"reduction": "mean"}},
+            "criterion_wrapper": {"key": "SimpleLossWrapper", "kwargs": {
+                "input": {"is_from_teacher": False, "module_path": _bert_path(s), "io": "output"},
+                "target": {"is_from_teacher": True, "module_path": _bert_path(t), "io": "output"}}},
+            "weight": 1.0}
+    return {"num_epochs": args.epochs, "teacher": hooks(1), "student": hooks(0),
+            "optimizer": {"key": "AdamW", "kwargs": {"lr": args.lr}, "max_grad_norm": 1.0},
+            "criterion": {"key": "WeightedSumLoss", "kwargs": {"sub_terms": terms}}}
+
+
+def run_torchdistill(args: argparse.Namespace, work_dir: Path, work: dict) -> tuple[float, object]:
+    """torchdistill's DistillationBox driven by its documented epoch/forward hooks."""
+    import torch
+    from torchdistill.core.distillation import get_distillation_box
+
+    teacher, student = hf_models(work_dir)
+    box = get_distillation_box(teacher, student, {}, torchdistill_config(args), torch.device("cpu"), None, False, 1)
+    t0 = time.perf_counter()
+    for epoch in range(args.epochs):
+        box.pre_epoch_process(epoch=epoch)
+        for batch in train_batches(work, epoch):
+            targets = batch.pop("labels")
+            box.pre_forward_process()
+            loss = box.forward_process(batch, targets, {})
+            box.post_forward_process(loss=loss)
+        box.post_epoch_process()
+    return time.perf_counter() - t0, box.student_model
+
+
 def run_kdrun(args: argparse.Namespace, work_dir: Path, work: dict, store: str) -> tuple[float, object]:
     """kdrun's own command line on the same rows, teacher and initial student."""
     from transformers import AutoModelForSequenceClassification
