@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--teacher-max-train-samples", default="16000",
                    help="task.teacher_max_train_samples of the cached teacher to look up")
     p.add_argument("--peer-python", default=sys.executable, help="interpreter with TextBrewer / torchdistill")
-    p.add_argument("--tools", default=",".join(TOOLS))
+    p.add_argument("--tools", default=None, help=f"comma-separated, of {','.join(TOOLS)} (default: all; --fast: kdrun's)")
     p.add_argument("--rows", type=int, default=2000)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=5e-4)
@@ -53,9 +53,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-tool", choices=TOOLS, help=argparse.SUPPRESS)  # internal: one tool's process
     args = p.parse_args(argv)
     if args.fast:
-        args.tools, args.rows, args.epochs = "kdrun,kdrun-nostore", 160, 1
+        args.tools, args.rows, args.epochs = args.tools or "kdrun,kdrun-nostore", 160, 1
     elif not args.glue and not args.run_tool:
         p.error("--glue is required (or --fast)")
+    args.tools = args.tools or ",".join(TOOLS)
     return args
 
 
@@ -127,6 +128,23 @@ def train_batches(work: dict, epoch: int) -> list[dict]:
     return batches(work["train_ids"], work["train_labels"], work["pad_id"], 32, True, epoch)
 
 
+class EpochBatches:
+    """A loader for TextBrewer: each pass is the next epoch's shuffle (labels left out: the HF model
+    would otherwise compute a loss nobody uses)."""
+
+    def __init__(self, work: dict):
+        self.work, self.epoch = work, 0
+        self.size = len(train_batches(work, 0))
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        batches_ = train_batches(self.work, self.epoch)
+        self.epoch += 1
+        return iter([{k: v for k, v in b.items() if k != "labels"} for b in batches_])
+
+
 # ------------------------------------------------------------------------------------- the tools
 
 def run_textbrewer(args: argparse.Namespace, work_dir: Path, work: dict) -> tuple[float, object]:
@@ -146,11 +164,10 @@ def run_textbrewer(args: argparse.Namespace, work_dir: Path, work: dict) -> tupl
         distill_config=DistillationConfig(temperature=1, hard_label_weight=0, kd_loss_type="ce", kd_loss_weight=1,
                                           intermediate_matches=matches),
         model_T=teacher, model_S=student, adaptor_T=adaptor, adaptor_S=adaptor)
-    data = [{k: v for k, v in b.items() if k != "labels"} for e in range(args.epochs) for b in train_batches(work, e)]
     optimizer = torch.optim.AdamW(student.parameters(), lr=args.lr)
     t0 = time.perf_counter()
     with distiller:
-        distiller.train(optimizer, data, num_steps=len(data), max_grad_norm=1.0)
+        distiller.train(optimizer, EpochBatches(work), num_epochs=args.epochs, max_grad_norm=1.0)
     return time.perf_counter() - t0, student
 
 
