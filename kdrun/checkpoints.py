@@ -103,9 +103,10 @@ def _rng_states(parts: RunParts) -> list[dict[str, Any]]:
     return gather_object([rng_state()])
 
 
-def save_checkpoint(parts: RunParts, state: TrainState, optimizer, scheduler, precision=None) -> None:
+def save_checkpoint(parts: RunParts, state: TrainState, optimizer, scheduler, precision=None, meter=None) -> None:
     """Atomically replace checkpoints/last with the current training state (called on every
-    process: the RNG states of all of them are kept; the main process writes)."""
+    process: the RNG states of all of them are kept; the main process writes). ``meter``: the loss
+    sums since the last log line, so that a resumed run logs the same means."""
     rngs = _rng_states(parts)
     if not parts.accelerator.is_main_process:
         return
@@ -117,7 +118,9 @@ def save_checkpoint(parts: RunParts, state: TrainState, optimizer, scheduler, pr
             {"optimizer": optimizer.state_dict() if optimizer else None,
              "scheduler": scheduler.state_dict() if scheduler else None,
              "scaler": precision.state_dict() if precision is not None else None,
-             "rng": rngs[0], "rng_per_rank": rngs},
+             "rng": rngs[0], "rng_per_rank": rngs,
+             "meter": None if meter is None else {"sums": {k: v.detach().cpu() for k, v in meter.sums.items()},
+                                                  "batches": meter.batches}},
             tmp / "optim_rng.pt",
         )
         log = parts.tracker.path if parts.tracker is not None else None
@@ -150,9 +153,10 @@ def rewind_metrics_log(run_dir: Path) -> None:
             f.truncate(size)
 
 
-def load_optim_rng(resume_from: Path, optimizer, scheduler, rank: int = 0, precision=None) -> None:
+def load_optim_rng(resume_from: Path, optimizer, scheduler, rank: int = 0, precision=None) -> dict | None:
     """Restore a stage's optimizer and scheduler (unless the checkpoint closed the previous stage),
-    the loss scaler and this process's RNG states from ``resume_from``."""
+    the loss scaler and this process's RNG states from ``resume_from``; returns the saved loss
+    meter (sums and batches since the last log line), or None."""
     blob = torch.load(resume_from / "optim_rng.pt", weights_only=True, map_location="cpu")
     if blob["optimizer"] is not None:  # None: the checkpoint closed the previous stage
         optimizer.load_state_dict(blob["optimizer"])
@@ -164,6 +168,7 @@ def load_optim_rng(resume_from: Path, optimizer, scheduler, rank: int = 0, preci
         raise ConfigError(f"{resume_from} was written by {len(per_rank)} process(es); resume it with as many "
                           "(or start over with resume=false)")
     set_rng_state(per_rank[rank])
+    return blob.get("meter")
 
 
 def seed_for_rank(seed: int, rank: int) -> None:

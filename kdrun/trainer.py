@@ -352,8 +352,12 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
         last = encoder_layers(acc.unwrap_model(parts.student))[-1]
         parts.objective.balance_params = [p for p in last.parameters() if p.requires_grad]
     scheduler = make_scheduler(plan, tcfg, optimizer, total_steps)
+    meter = _Meter()
     if resume_from is not None:
-        load_optim_rng(resume_from, optimizer, scheduler, rank=parts.rank, precision=acc.precision)
+        saved = load_optim_rng(resume_from, optimizer, scheduler, rank=parts.rank, precision=acc.precision)
+        if saved is not None:  # the log interval the checkpoint cut: its losses so far
+            meter.sums = {k: v.to(acc.device) for k, v in saved["sums"].items()}
+            meter.batches = int(saved["batches"])
     table = None
     if (store is None and plan.uses_teacher and plan.teacher_logits_only and tcfg.cache_teacher_logits
             and cfg["data"] == "original" and adaptive is None):
@@ -363,7 +367,7 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
                 disable=not acc.is_main_process, dynamic_ncols=True, mininterval=2.0)
     return StageLoop(plan, loader, sampler, optimizer, scheduler, batches_per_epoch, total_steps,
                      num_epochs=math.ceil(total_steps / steps_per_epoch), pbar=pbar, log_every=max(1, parts.log_every),
-                     teacher_table=table, store=store, strategy=adaptive or PlainStep(),
+                     teacher_table=table, store=store, strategy=adaptive or PlainStep(), meter=meter,
                      share_params=[p for p in parts.student.parameters() if p.requires_grad] if measure else None)
 
 
@@ -543,11 +547,11 @@ def after_step(parts: RunParts, loop: StageLoop, state: TrainState) -> bool:
             if do_eval:
                 evaluate_stage(parts, loop.plan, state, "steps")
             if ckpt:
-                save_checkpoint(parts, state, loop.optimizer, loop.scheduler, parts.accelerator.precision)
+                save_checkpoint(parts, state, loop.optimizer, loop.scheduler, parts.accelerator.precision, loop.meter)
     if _stop_requested(parts, at_log_step=log):
         with host_section():
             loop.watch.check(loop.plan, parts.run_dir)
-            save_checkpoint(parts, state, loop.optimizer, loop.scheduler, parts.accelerator.precision)
+            save_checkpoint(parts, state, loop.optimizer, loop.scheduler, parts.accelerator.precision, loop.meter)
         loop.pbar.close()
         parts.guard.stop()
     if tcfg.stop_after_steps is not None and state.global_step >= tcfg.stop_after_steps:

@@ -287,9 +287,12 @@ def test_cache_lock_files_follow_the_umask(tmp_path: Path) -> None:
     assert (tmp_path / "k.lock").stat().st_mode & 0o777 == 0o664
 
 
-def test_resumed_metrics_log_has_each_step_once(run_cfg, tmp_path: Path) -> None:
+@pytest.mark.parametrize("every", [1, 4])
+def test_resumed_metrics_log_has_each_step_once(run_cfg, tmp_path: Path, every: int) -> None:
     """Steps logged between the last checkpoint and a kill are trained again after the resume; the
-    log is cut back to the checkpoint, so it equals an uninterrupted run's."""
+    log is cut back to the checkpoint, so it equals an uninterrupted run's. With a log line every 4
+    steps the checkpoint at 15 cuts the interval 13-16: its saved loss sums make step 16's means
+    the uninterrupted run's."""
     from kdrun.trainer import SimulatedInterrupt
     from tests.test_e2e import TWO_STAGES
 
@@ -298,7 +301,7 @@ def test_resumed_metrics_log_has_each_step_once(run_cfg, tmp_path: Path) -> None
         return [{k: v for k, v in json.loads(x).items() if k not in volatile}
                 for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
-    args = (*TWO_STAGES, "logger.log_every_steps=1")
+    args = (*TWO_STAGES, f"logger.log_every_steps={every}")
     run(run_cfg(*args), tmp_path / "ref")
     rd = tmp_path / "killed"
     with pytest.raises(SimulatedInterrupt):
