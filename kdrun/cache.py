@@ -255,6 +255,8 @@ def get_or_build(root: str | os.PathLike, kind: str, key: str, build: Callable[[
                 return entry, True
             quarantine(entry, problem)
         elif entry.exists():  # left by a crash before the marker: rebuild
+            print(f"[kdrun] cache entry {entry} has no manifest (its writer stopped before finishing); rebuilding",
+                  flush=True)
             shutil.rmtree(entry)
         remove_stale_staging(entry.parent, key)
         with (resumable_staging_dir if resumable else staging_dir)(entry) as tmp:

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from kdrun.cache import staging_dir, write_json_atomic
-from kdrun.errors import ConfigError
+from kdrun.cache import COMPLETE_MARKER, entry_problem, staging_dir, write_json_atomic, write_manifest
+from kdrun.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
     from kdrun.trainer import RunParts
@@ -126,11 +126,36 @@ def save_checkpoint(parts: RunParts, state: TrainState, optimizer, scheduler, pr
         log = parts.tracker.path if parts.tracker is not None else None
         write_json_atomic(tmp / "state.json", {"config_hash": parts.config_hash, **state.to_dict(),
                                                "metrics_bytes": log.stat().st_size if log and log.exists() else 0})
+        write_manifest(tmp)  # sizes and checksums: a damaged checkpoint is never resumed from
+
+
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """Why a checkpoint cannot be trusted (no manifest, a file missing, truncated or changed), or None."""
+    if not (ckpt / COMPLETE_MARKER).exists():
+        return f"{COMPLETE_MARKER} (its manifest) is missing"
+    return entry_problem(ckpt)
+
+
+def set_aside(ckpt: Path, problem: str, what: str) -> Path:
+    """Move a damaged checkpoint next to itself (kept for inspection) and say so in one line."""
+    import os
+    import time
+
+    dest = ckpt.with_name(f"{ckpt.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    os.replace(ckpt, dest)
+    print(f"[kdrun] {ckpt} is damaged ({problem}); moved to {dest}; {what}", flush=True)
+    return dest
 
 
 def load_checkpoint_state(run_dir: Path, config_hash: str) -> TrainState | None:
+    """The state to resume from, or None to start from the beginning (no checkpoint, or a damaged
+    one, which is moved aside)."""
     ckpt = checkpoint_dir(run_dir)
-    if not (ckpt / "state.json").exists():
+    if not ckpt.exists():
+        return None
+    problem = checkpoint_problem(ckpt)
+    if problem is not None:
+        set_aside(ckpt, problem, "the run starts over from the beginning")
         return None
     meta = json.loads((ckpt / "state.json").read_text())
     meta.pop("metrics_bytes", None)
@@ -187,6 +212,7 @@ def save_best(parts: RunParts, state: TrainState) -> None:
         save_module(parts.accelerator.unwrap_model(parts.student), tmp / "student.safetensors")
         write_json_atomic(tmp / "best.json", {"metric": state.best_metric, "stage": state.best_stage,
                                               "step": state.best_step})
+        write_manifest(tmp)
 
 
 def restore_models(parts: RunParts, ckpt: Path) -> None:
@@ -197,5 +223,9 @@ def restore_models(parts: RunParts, ckpt: Path) -> None:
 def finalize_best(parts: RunParts) -> None:
     """Load the kept best student (when selecting) into ``parts.student``."""
     best = parts.run_dir / "checkpoints" / "best" / "student.safetensors"
+    problem = checkpoint_problem(best.parent) if best.parent.exists() else None
+    if parts.train_cfg.keep_best and problem is not None:
+        raise UserError(f"{best.parent} (the best student so far) is damaged ({problem}); it cannot be recomputed "
+                        "without training again: rerun with resume=false")
     if parts.train_cfg.keep_best and best.exists():
         load_module(parts.accelerator.unwrap_model(parts.student), best)

@@ -477,6 +477,8 @@ def train_stages(session: Session, parts, progress: dict[str, Any] | None = None
     else:
         state = TrainState()
         seed_for_rank(session.cfg.train.seed, session.accelerator.process_index)  # per-process dropout
+        if session.accelerator.is_main_process:  # lines a killed attempt logged before any checkpoint
+            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     if progress is not None:  # error.json says how far a failed run got
         progress["state"] = state
     resume_from = ckpt if state.global_step > 0 or state.stage > 0 else None

@@ -228,7 +228,8 @@ def test_adaptive_step_equals_sum_of_separate_subnetworks(objective: str, phase:
     parts = SimpleNamespace(accelerator=make_kd_accelerator(True, "no"), student=student,
                             teacher=teacher.requires_grad_(False), objective=objective_m, world_size=1,
                             train_cfg=SimpleNamespace(max_grad_norm=0.0))
-    loop = SimpleNamespace(plan=plan, optimizer=rec, strategy=stage, watch=FiniteWatch(), teacher_table=None)
+    loop = SimpleNamespace(plan=plan, optimizer=rec, strategy=stage, watch=FiniteWatch(), teacher_table=None,
+                           store=None)
     total, values = train_step(parts, loop, b, SimpleNamespace(global_step=0, stage_step=0))  # the engine's step
     assert rec.steps == 1 and len([k for k in values if k.startswith("subnet/")]) == len(widths) * len(depths)
 
