@@ -181,6 +181,8 @@ def entry_problem(entry: Path) -> str | None:
         text = (entry / COMPLETE_MARKER).read_text()
     except OSError as e:
         return f"manifest unreadable ({e.strerror})"
+    except UnicodeDecodeError:  # a damaged byte in the manifest itself
+        return "manifest unreadable (not text)"
     if text.strip() == "ok":
         return None
     try:

@@ -84,6 +84,16 @@ def save_module(module: nn.Module, path: Path) -> None:
     save_file({k: v.clone() for k, v in sd.items()}, str(path))
 
 
+def save_torch(obj: Any, path: Path) -> None:
+    """``torch.save`` through a Python file, so that a full disk raises OSError(ENOSPC) naming
+    ``path`` (torch's own writer reports it as an unexplained RuntimeError)."""
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from e
+
+
 def load_module(module: nn.Module, path: Path) -> None:
     module.load_state_dict(load_file(str(path)), strict=True)
 
@@ -114,7 +124,7 @@ def save_checkpoint(parts: RunParts, state: TrainState, optimizer, scheduler, pr
     with staging_dir(final) as tmp:
         save_module(parts.accelerator.unwrap_model(parts.student), tmp / "student.safetensors")
         save_module(parts.objective, tmp / "objective.safetensors")
-        torch.save(
+        save_torch(
             {"optimizer": optimizer.state_dict() if optimizer else None,
              "scheduler": scheduler.state_dict() if scheduler else None,
              "scaler": precision.state_dict() if precision is not None else None,

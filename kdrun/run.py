@@ -602,7 +602,7 @@ def _locked_run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     from kdrun.preemption import Interrupted
     from kdrun.runlock import run_dir_lock
-    from kdrun.runlog import record_failure, tee_output
+    from kdrun.runlog import disk_full, record_failure, tee_output
 
     main = _is_main_rank()
     progress: dict[str, Any] = {"phase": "config"}
@@ -620,11 +620,14 @@ def _locked_run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 print(f"[kdrun] {e}", flush=True)
                 raise
             except Exception as e:
+                full = disk_full(e, {"output_dir": run_dir, "cache_dir": Path(cfg.cache_dir).expanduser()})
                 if main:
                     state = progress.pop("state", None)
                     if state is not None:
                         progress.update(stage=state.stage, step=state.global_step)
-                    record_failure(run_dir, e, progress)
+                    record_failure(run_dir, full or e, progress)
+                if full is not None:
+                    raise full from e
                 raise
 
 

@@ -114,3 +114,42 @@ def record_failure(run_dir: Path, error: BaseException, progress: dict[str, Any]
     except OSError:
         return
     log_only(run_dir / "cli.log", record["traceback"] if not record["user_error"] else f"kdrun: error: {error}")
+
+
+class DiskFull(UserError):
+    """A write failed for want of space; the message names the path and what to do."""
+
+
+def _free_mib(path: Path) -> float | None:
+    import os
+
+    for p in (path, *path.parents):
+        try:
+            st = os.statvfs(p)
+            return st.f_bavail * st.f_frsize / 2**20
+        except OSError:
+            continue
+    return None
+
+
+def disk_full(error: BaseException, places: dict[str, Path]) -> DiskFull | None:
+    """The one-line error for a write that failed on a full disk (ENOSPC or EDQUOT anywhere in the
+    exception's chain, also as the text that safetensors and torch.save give), or None. It names the
+    failed file when the error does, else the one of ``places`` (e.g. output_dir, cache_dir) with the
+    least free space."""
+    import errno
+
+    seen, e = [], error
+    while e is not None and e not in seen:
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    codes = {errno.ENOSPC, errno.EDQUOT}
+    hit = next((x for x in seen if isinstance(x, OSError) and x.errno in codes), None)
+    if hit is None and not any(s in str(x) for x in seen for s in ("No space left", "StorageFull", "Disk quota")):
+        return None
+    free = {name: _free_mib(Path(p)) for name, p in places.items()}
+    name = min(free, key=lambda k: free[k] if free[k] is not None else float("inf"))
+    where = getattr(hit, "filename", None) or places[name]
+    return DiskFull(f"no space left on the device holding {where} ({name}={places[name]}, "
+                    f"{free[name] or 0:.1f} MiB free): free space there or point {name} elsewhere, then rerun: "
+                    "the run resumes from its last checkpoint and unfinished cache entries are rebuilt")

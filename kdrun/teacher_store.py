@@ -108,11 +108,11 @@ def _outputs(feats: Features, kinds: list[str]) -> dict[str, torch.Tensor]:
     if "logits" in kinds and feats.logits is not None:
         out["logits"] = feats.logits
     if "hidden_states" in kinds:
-        out.update({f"hidden.{l}": h for l, h in enumerate(feats.hidden_states)})
+        out.update({f"hidden.{i}": h for i, h in enumerate(feats.hidden_states)})
     if "qkv" in kinds:
         rec = feats.qkv()
-        for l in range(1, rec.num_layers + 1):
-            out.update({f"{w}.{l}": rec.projection(w, l) for w in ("q", "k", "v")})
+        for layer in range(1, rec.num_layers + 1):
+            out.update({f"{w}.{layer}": rec.projection(w, layer) for w in ("q", "k", "v")})
     return out
 
 
@@ -220,7 +220,8 @@ class StoreReader:
     @property
     def arrays(self) -> dict[str, np.ndarray]:
         if self._arrays is None:
-            self._arrays = {n: np.load(self.entry / f"{n}.npy", mmap_mode="r") for n in ("offsets", *self.meta["arrays"])}
+            names = ("offsets", *self.meta["arrays"])
+            self._arrays = {n: np.load(self.entry / f"{n}.npy", mmap_mode="r") for n in names}
         return self._arrays
 
     def _tensor(self, x: np.ndarray) -> torch.Tensor:
@@ -251,10 +252,10 @@ class StoreReader:
         """The teacher's features for a batch whose ``teacher/*`` tensors are on the device (fp32)."""
         get = lambda name: batch[f"teacher/{name}"].float()  # noqa: E731
         L = self.meta["num_layers"]
-        hidden = tuple(get(f"hidden.{l}") for l in range(L + 1)) if "hidden_states" in needs else None
+        hidden = tuple(get(f"hidden.{i}") for i in range(L + 1)) if "hidden_states" in needs else None
         extra = {}
         if needs & {"qkv", "attention_scores"}:
-            q, k, v = ([get(f"{w}.{l}") for l in range(1, L + 1)] for w in ("q", "k", "v"))
+            q, k, v = ([get(f"{w}.{i}") for i in range(1, L + 1)] for w in ("q", "k", "v"))
             extra["attention_inputs"] = AttentionInputs(q, k, v, self.meta["heads"], self.meta["scaling"])
         logits = get("logits") if "teacher/logits" in batch else None
         return Features(logits=logits, attention_mask=batch["attention_mask"], hidden_states=hidden,
@@ -331,7 +332,8 @@ def open_stage_store(parts: Any, plan: Any, ds: Any, adaptive: bool) -> StoreRea
     dtype, kinds = STORE_DTYPES[settings.dtype], stored_kinds(plan.teacher_needs)
     key = store_key(settings, teacher, ds, kinds, acc.precision.name)
     lengths = row_lengths(ds)
-    size = estimate_bytes(teacher, kinds, int(lengths.sum()), len(lengths), dtype, getattr(teacher.config, "num_labels", 1))
+    labels = getattr(teacher.config, "num_labels", 1)
+    size = estimate_bytes(teacher, kinds, int(lengths.sum()), len(lengths), dtype, labels)
     if size > settings.max_gb * 2**30:
         say(f"[kdrun] teacher store for stage '{plan.name}' would take {_size(size)}, more than "
             f"teacher.store_max_gb={settings.max_gb}; running the teacher live (raise the cap to store it)")

@@ -10,8 +10,8 @@ teacher yet, so the teacher's fine-tuning, both stages, evaluations, checkpoint 
 teacher-output store and the teacher's cache entry being published, and the final outputs are all
 moments a signal can land in. First the run goes uninterrupted (the reference, its wall time T);
 then each of N runs, in its own cache and run directory, gets the signal at a moment drawn
-uniformly from [t0, T), t0 the time to import kdrun (seeded: ``--seed``), and is restarted with the same command until it exits
-0 (a restart may be signalled again with ``--repeat``). A run counts as identical when its student
+uniformly from [t0, T), t0 the time to import kdrun (seeded: ``--seed``), and is restarted with the
+same command until it exits 0 (a restart may be signalled again with ``--repeat``). A run counts as identical when its student
 weights are bit for bit the reference's, its results.json metrics (teacher, student, every
 evaluation) are equal, and its metrics.jsonl has the same records (throughput and timing fields,
 which measure the machine, left out). Prints where each signal landed (the last phase the run had

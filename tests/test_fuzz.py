@@ -34,3 +34,80 @@ def test_fuzz_kill_comparison_sees_a_difference(tmp_path: Path) -> None:
     b = {**a, "weights": {"w": torch.tensor([0.0, 1e-7])}}
     assert fk.same(a, b) == ["student weights"]
     assert fk.same(a, {**a, "log": [{"train/loss": 1.0000001}]}) == ["metrics.jsonl"]
+
+
+def test_fuzz_damage_fast(tmp_path: Path) -> None:
+    """A few damaged files per scenario, each rerun: nothing is used silently."""
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = load_script("fuzz_damage").main(["--fast", "--per-scenario", "2", "--seed", "3", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "fuzz_damage.json").read_text())
+    assert rc == 0, buf.getvalue()
+    assert {t["scenario"] for t in res["trials"]} == {"task", "augment", "corpus"}
+    assert res["counts"].get("silently used", 0) == 0 and "0 silently used" in buf.getvalue()
+    assert sum(res["counts"].get(k, 0) for k in ("rebuilt", "refused")) >= 5
+
+
+def test_fuzz_damage_damages_and_classifies(tmp_path: Path) -> None:
+    fd = load_script("fuzz_damage")
+    f = tmp_path / "f.bin"
+    f.write_bytes(bytes(range(10)))
+    assert fd.damage(f, "flip") and f.read_bytes() == bytes([0, 1, 2, 3, 4, 5 ^ 0xFF, 6, 7, 8, 9])
+    assert fd.damage(f, "truncate") and f.stat().st_size == 5
+    assert fd.damage(f, "delete") and not f.exists()
+    (tmp_path / "empty").write_bytes(b"")
+    assert not fd.damage(tmp_path / "empty", "flip")
+    said = "[kdrun] cache entry /c/teachers/k is damaged (x is missing); moved to /c/teachers/.damaged/k"
+    assert fd.classify(0, "training...\n", True, ("x", "k")) == "silently used"
+    assert fd.classify(0, said, True, ("x", "k")) == "rebuilt"
+    assert fd.classify(0, said, False, ("x", "k")) == "wrong"
+    names = ("student.safetensors", "best")
+    assert fd.classify(1, "kdrun: error: /r/checkpoints/best is damaged", False, names) == "refused"
+    assert fd.classify(1, "Traceback ... KeyError: 'w'", False, names) == "unclear failure"
+
+
+def test_a_manifest_with_a_damaged_byte_is_reported_not_raised(tmp_path: Path) -> None:
+    from kdrun.cache import COMPLETE_MARKER, entry_problem, write_manifest
+
+    (tmp_path / "a.txt").write_text("hello")
+    write_manifest(tmp_path)
+    assert entry_problem(tmp_path) is None
+    marker = tmp_path / COMPLETE_MARKER
+    raw = bytearray(marker.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    marker.write_bytes(bytes(raw))
+    assert entry_problem(tmp_path).startswith("manifest unreadable")
+
+
+def test_fuzz_faults_fast(tmp_path: Path) -> None:
+    """A NaN at a random step, three racing builders, a full run directory and a full cache (tmpfs,
+    where the tests may mount one)."""
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = load_script("fuzz_faults").main(["--fast", "--seed", "2", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "fuzz_faults.json").read_text())
+    assert rc == 0, buf.getvalue()
+    assert res["nan"] == {"handled": 1, "runs": 1} and res["race"] == {"handled": 1, "runs": 1}
+    assert res["disk"]["handled"] == res["disk"]["runs"]  # 0/0 where no tmpfs can be mounted
+
+
+def test_disk_full_errors_name_the_place(tmp_path: Path) -> None:
+    import errno
+
+    from kdrun.runlog import disk_full
+
+    places = {"output_dir": tmp_path / "run", "cache_dir": tmp_path / "cache"}
+    err = disk_full(OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "x.pt")), places)
+    assert err is not None and str(err).startswith(f"no space left on the device holding {tmp_path / 'run' / 'x.pt'}")
+    wrapped = RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                           "message: \"No space left on device\" })")
+    assert "then rerun" in str(disk_full(wrapped, places))
+    try:
+        try:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        except OSError as inner:
+            raise RuntimeError("writing failed") from inner
+    except RuntimeError as outer:
+        assert disk_full(outer, places) is not None  # found down the exception's chain
+    assert disk_full(ValueError("bad value"), places) is None
+    assert disk_full(OSError(errno.EACCES, "Permission denied"), places) is None

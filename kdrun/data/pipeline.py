@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -72,6 +73,17 @@ def tokenize_splits(
 SPANS_CACHE_VERSION = "1"
 
 
+def _in_published_entry(ds) -> bool:
+    """Whether ``ds`` was loaded from a kdrun cache entry (an augmented set): ``datasets`` would
+    otherwise write its map cache files into the published entry, which no writer may change."""
+    from kdrun.cache import COMPLETE_MARKER
+
+    for f in getattr(ds, "cache_files", None) or []:
+        if any((d / COMPLETE_MARKER).exists() for d in list(Path(f["filename"]).parents)[:3]):
+            return True
+    return False
+
+
 def _tokenize(dsd, tokenizer, max_seq_length: int, num_proc: int | None, pair: bool, spans: Any,
               span_splits: Sequence[str]):
     def encode(rows: dict[str, list[Any]]) -> dict[str, list[Any]]:
@@ -103,6 +115,7 @@ def _tokenize(dsd, tokenizer, max_seq_length: int, num_proc: int | None, pair: b
             batch_size=1000,
             num_proc=num_proc,
             desc=f"tokenize {split}",
+            keep_in_memory=_in_published_entry(ds),
             remove_columns=[c for c in ds.column_names if c not in keep],
         )
         if with_spans:

@@ -1,0 +1,217 @@
+"""Damage every file of a finished run's cache entries and of an interrupted run's checkpoints, one
+at a time, rerun, and count what kdrun did with each.
+
+    python scripts/fuzz_damage.py                     # every file x (truncate, flip, delete)
+    python scripts/fuzz_damage.py --fast              # a few files, for the tests
+
+Scenarios (tiny models, so each rerun takes seconds):
+
+* ``task``: the toy task with ``objective=tinybert`` and ``teacher.store=on``: cache entries of kinds
+  ``teachers``, ``tokenized`` and ``teacher_outputs``; and an interrupted run (stopped after 4 steps,
+  a checkpoint every 3) whose ``checkpoints/last`` is damaged before it is resumed;
+* ``augment``: the toy task with TinyBERT's augmentation from a tiny masked LM: ``augmented``;
+* ``corpus``: task-agnostic distillation on a small text corpus: ``corpus``.
+
+Each trial copies the scenario's pristine tree, damages one file (cut to half its size, one byte
+flipped in place, or deleted) and runs the same command again: a cache file with a fresh run
+directory, a checkpoint file by resuming the interrupted run. Outcomes:
+
+* ``rebuilt``: the run finished, printed a one-line ``[kdrun]`` message naming the damage, and its
+  student, metrics and metrics log equal the undamaged run's exactly;
+* ``refused``: the run stopped with an error naming the damaged file or entry and what to do;
+* ``silently used``: the run finished without a word about the damage (must be 0);
+* ``wrong``: the run finished and said so, but its result differs from the undamaged run's;
+* ``unclear failure``: the run failed without naming the damage.
+
+Prints one line per trial and the counts, e.g. ``0 silently used``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fuzz_kill as fk  # noqa: E402  (the run helpers and the exact comparison)
+
+TINY = ["teacher=tiny_random", "student=tiny_random", "logger=none", "train.num_threads=1",
+        "train.eval_batch_size=64"]
+TOY = ["task=toy", "task.toy.num_train=96", "task.toy.num_validation=32", "teacher.finetune.epochs=1"]
+DAMAGES = ("truncate", "flip", "delete")
+GOOD = ("rebuilt", "refused")
+MESSAGE_WORDS = ("damaged", "no manifest", "rebuilding", "moved to")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="outputs/fuzz_damage")
+    p.add_argument("--scenarios", default="task,augment,corpus")
+    p.add_argument("--fast", action="store_true", help="a few (file, damage) pairs per scenario, for the tests")
+    p.add_argument("--per-scenario", type=int, default=3, help="with --fast: trials per scenario")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def write_corpus(path: Path, docs: int = 40, seed: int = 0) -> Path:
+    words = "the a river mountain sang bird green sky under over quickly slow light dark city old new".split()
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(docs):
+        lines += [" ".join(rng.choice(words) for _ in range(rng.randint(5, 20))) for _ in range(rng.randint(1, 4))]
+        lines.append("")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def make_mlm(out: Path) -> Path:
+    if not out.exists():
+        subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "make_tiny_mlm.py"), str(out),
+                        "--hidden", "32", "--layers", "1", "--intermediate", "64"], env=fk.env(), check=True,
+                       stdout=subprocess.DEVNULL)
+    return out
+
+
+def scenario_args(name: str, shared: Path) -> tuple[list[str], list[str]]:
+    """(the run's overrides, the cache kinds whose files are damaged)."""
+    if name == "task":
+        return [*TINY, *TOY, "objective=tinybert", "objective.params.intermediate_epochs=1",
+                "objective.params.prediction_epochs=1", "teacher.store=on", "train.checkpoint_every_steps=3"], \
+            ["teachers", "tokenized", "teacher_outputs"]
+    if name == "augment":
+        mlm = make_mlm(shared / "tiny_mlm")
+        return [*TINY, *TOY, "objective=two_stage_logit", "train.epochs=1", "augmentation=tinybert",
+                f"augmentation.mlm={mlm}", "augmentation.word_vectors=mlm_embeddings", "augmentation.n=2"], \
+            ["augmented"]
+    if name == "corpus":
+        corpus = write_corpus(shared / "corpus.txt")
+        return [*TINY, "task=text_corpus", f"task.data_files={corpus}", "task.validation_percent=15",
+                "task.max_seq_length=24", "objective=distilbert_general", "train.epochs=1",
+                "objective.stages.0.batch_size=8"], ["corpus"]
+    raise SystemExit(f"--scenarios: unknown scenario {name!r}; choose from task, augment, corpus")
+
+
+def kdrun(overrides: list[str], cache: Path, run_dir: Path, log: Path) -> int:
+    cmd = [sys.executable, "-m", "kdrun", *overrides, f"cache_dir={cache}", f"output_dir={run_dir}"]
+    with open(log, "w") as f:
+        return subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=fk.env())
+
+
+def entry_files(cache: Path, kinds: list[str]) -> list[Path]:
+    """Every file of every published entry of ``kinds`` (not locks, staging or set-aside copies)."""
+    out = []
+    for kind in kinds:
+        for entry in sorted(p for p in (cache / kind).glob("*") if p.is_dir() and not p.name.startswith(".")):
+            out += sorted(p for p in entry.rglob("*") if p.is_file())
+    return out
+
+
+def damage(path: Path, how: str) -> bool:
+    """Damage ``path`` in place; False when the damage does not apply (an empty file cannot be cut)."""
+    size = path.stat().st_size
+    if how == "delete":
+        path.unlink()
+    elif size == 0:
+        return False
+    elif how == "truncate":
+        with open(path, "r+b") as f:
+            f.truncate(size // 2)
+    else:
+        with open(path, "r+b") as f:
+            f.seek(size // 2)
+            byte = f.read(1)
+            f.seek(size // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    return True
+
+
+def classify(rc: int, log: str, same: bool, names: tuple[str, ...]) -> str:
+    said = [line for line in log.splitlines() if line.startswith("[kdrun]") and any(w in line for w in MESSAGE_WORDS)]
+    if rc == 0:
+        if not said:
+            return "silently used"
+        return "rebuilt" if same else "wrong"
+    tail = "\n".join(log.splitlines()[-15:])
+    return "refused" if any(n in tail for n in names) else "unclear failure"
+
+
+def prepare(name: str, out: Path) -> dict:
+    """The scenario's pristine tree: a finished run (the reference) and, for ``task``, an interrupted one."""
+    overrides, kinds = scenario_args(name, out)
+    base = out / name / "pristine"
+    if base.exists():
+        shutil.rmtree(base)
+    base.mkdir(parents=True)
+    rc = kdrun(overrides, base / "cache", base / "run", base / "reference.log")
+    if rc != 0:
+        raise SystemExit(f"the undamaged {name} run failed: see {base / 'reference.log'}")
+    sc = {"name": name, "overrides": overrides, "kinds": kinds, "base": base,
+          "reference": fk.outcome(base / "run")}
+    if name == "task":  # stop after 4 steps: checkpoints/last holds step 3
+        kdrun([*overrides, "train.stop_after_steps=4"], base / "cache", base / "stopped", base / "stopped.log")
+        if not (base / "stopped" / "checkpoints" / "last").exists():
+            raise SystemExit(f"the interrupted {name} run left no checkpoint: see {base / 'stopped.log'}")
+    return sc
+
+
+def targets(sc: dict) -> list[Path]:
+    files = entry_files(sc["base"] / "cache", sc["kinds"])
+    ckpt = sc["base"] / "stopped" / "checkpoints"
+    return files + (sorted(p for p in ckpt.rglob("*") if p.is_file()) if ckpt.exists() else [])
+
+
+def trial(sc: dict, target: Path, how: str, work: Path) -> tuple[str, str]:
+    """Copy the pristine tree, damage one file, rerun; (outcome, the damage line kdrun printed)."""
+    if work.exists():
+        shutil.rmtree(work)
+    shutil.copytree(sc["base"], work, ignore=shutil.ignore_patterns("*.log"))
+    rel = target.relative_to(sc["base"])
+    if not damage(work / rel, how):
+        return "not applicable", ""
+    is_ckpt = rel.parts[0] == "stopped"
+    run_dir = work / ("stopped" if is_ckpt else "rerun")
+    rc = kdrun(sc["overrides"], work / "cache", run_dir, work / "trial.log")
+    log = (work / "trial.log").read_text(errors="replace")
+    same = rc == 0 and not fk.same(sc["reference"], fk.outcome(run_dir))
+    names = (rel.name, rel.parts[-2] if len(rel.parts) > 1 else rel.name)
+    said = next((line for line in log.splitlines() if line.startswith("[kdrun]")
+                 and any(w in line for w in MESSAGE_WORDS)), "")
+    return classify(rc, log, same, names), said
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out).resolve()
+    rng = random.Random(args.seed)
+    counts: dict[str, int] = {}
+    rows = []
+    t0 = time.perf_counter()
+    for name in args.scenarios.split(","):
+        sc = prepare(name, out)
+        pairs = [(t, how) for t in targets(sc) for how in DAMAGES]
+        if args.fast:
+            pairs = rng.sample(pairs, min(args.per_scenario, len(pairs)))
+        for i, (target, how) in enumerate(pairs):
+            result, said = trial(sc, target, how, out / name / "trial")
+            counts[result] = counts.get(result, 0) + 1
+            rel = target.relative_to(sc["base"])
+            rows.append({"scenario": name, "file": str(rel), "damage": how, "outcome": result, "message": said})
+            print(f"[fuzz_damage] {name} {i + 1}/{len(pairs)}: {how} {rel}: {result}"
+                  + (f" ({said[:140]})" if said else ""), flush=True)
+        shutil.rmtree(out / name / "trial", ignore_errors=True)
+    total = sum(v for k, v in counts.items() if k != "not applicable")
+    print(f"[fuzz_damage] {total} damaged files rerun in {time.perf_counter() - t0:.0f}s: "
+          + ", ".join(f"{counts.get(k, 0)} {k}" for k in ("rebuilt", "refused", "silently used", "wrong",
+                                                           "unclear failure")))
+    (out / "fuzz_damage.json").write_text(json.dumps({"counts": counts, "trials": rows}, indent=1))
+    bad = sum(counts.get(k, 0) for k in ("silently used", "wrong", "unclear failure"))
+    return 0 if bad == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

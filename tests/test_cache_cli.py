@@ -1,0 +1,89 @@
+"""kdrun-cache: list, verify (and --fix), gc of set-aside entries and abandoned builds."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+
+from kdrun.cache import COMPLETE_MARKER, write_manifest
+from kdrun.cache_cli import main, parse_age
+
+DAY = 86400
+
+
+def make_entry(path: Path, content: bytes = b"x" * 100, manifest: bool = True) -> Path:
+    path.mkdir(parents=True)
+    (path / "data.bin").write_bytes(content)
+    if manifest:
+        write_manifest(path)
+    return path
+
+
+def age_tree(path: Path, days: float) -> None:
+    t = time.time() - days * DAY
+    for p in [path, *path.rglob("*")]:
+        os.utime(p, (t, t))
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Path:
+    root = tmp_path / "cache"
+    make_entry(root / "teachers" / "good")
+    bad = make_entry(root / "teachers" / "bad")
+    (bad / "data.bin").write_bytes(b"y" * 100)  # same size, other bytes: only the checksum tells
+    age_tree(make_entry(root / "teachers" / ".damaged" / "old-20260101", b"z" * 5000, manifest=False), 30)
+    age_tree(make_entry(root / "tokenized" / ".k1.partial", b"p" * 300, manifest=False), 10)  # abandoned
+    make_entry(root / "tokenized" / ".k2.partial", manifest=False)  # fresh: a build may be at work
+    age_tree(make_entry(root / "tokenized" / ".k3.tmp-abc", manifest=False), 10)  # old, but its writer holds the lock
+    return root
+
+
+def test_list_shows_every_item_and_its_state(cache: Path, capsys) -> None:
+    assert main(["--cache-dir", str(cache), "list"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[1]: line for line in out.splitlines() if line.startswith(("teachers", "tokenized"))}
+    assert set(lines) == {"good", "bad", "old-20260101", "k1", "k2", "k3"}
+    assert "set aside" in lines["old-20260101"] and "4.9 KiB" in lines["old-20260101"]
+    assert "unfinished" in lines["k1"] and "(not checked)" in lines["bad"]
+    assert "6 item(s)" in out
+
+
+def test_verify_finds_the_changed_byte_and_fix_moves_it_aside(cache: Path, capsys) -> None:
+    assert main(["--cache-dir", str(cache), "verify"]) == 1
+    out = capsys.readouterr().out
+    assert "damaged: " in out and "bad: data.bin does not match its checksum" in out and "1/2 entries verify" in out
+    assert main(["--cache-dir", str(cache), "verify", "--fix"]) == 0
+    assert not (cache / "teachers" / "bad").exists()
+    assert any(p.name.startswith("bad-") for p in (cache / "teachers" / ".damaged").iterdir())
+    assert main(["--cache-dir", str(cache), "verify"]) == 0 and "1/1 entries verify" in capsys.readouterr().out
+    (cache / "teachers" / "good" / COMPLETE_MARKER).unlink()
+    assert main(["--cache-dir", str(cache), "verify"]) == 1  # a published entry without its manifest
+
+
+def test_gc_removes_only_old_set_aside_and_abandoned_builds(cache: Path, capsys) -> None:
+    with FileLock(str(cache / "tokenized" / "k3.lock")):
+        assert main(["--cache-dir", str(cache), "gc", "--older-than", "7d", "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        assert out.count("would remove") == 2 and "old-20260101" in out and ".k1.partial" in out
+        assert (cache / "tokenized" / ".k1.partial").exists()  # a dry run removes nothing
+        assert main(["--cache-dir", str(cache), "gc", "--older-than", "7d"]) == 0
+    assert not (cache / "tokenized" / ".k1.partial").exists()
+    assert not (cache / "teachers" / ".damaged" / "old-20260101").exists()
+    kept = [cache / "teachers" / "good", cache / "teachers" / "bad", cache / "tokenized" / ".k2.partial",
+            cache / "tokenized" / ".k3.tmp-abc"]
+    assert all(p.exists() for p in kept)
+    assert "freed 5.2 KiB in 2 item(s)" in capsys.readouterr().out
+    assert main(["--cache-dir", str(cache), "gc", "--older-than", "0s"]) == 0  # lock free now: k2, k3 go too
+    assert not (cache / "tokenized" / ".k3.tmp-abc").exists() and (cache / "teachers" / "good").exists()
+
+
+def test_ages_and_a_missing_cache_are_clear(tmp_path: Path, capsys) -> None:
+    assert parse_age("7d") == 7 * DAY and parse_age("12h") == 12 * 3600 and parse_age("2") == 2 * DAY
+    with pytest.raises(Exception, match="give a number and a unit"):
+        parse_age("a week")
+    assert main(["--cache-dir", str(tmp_path / "nope"), "list"]) == 2
+    assert "is not a directory" in capsys.readouterr().err
