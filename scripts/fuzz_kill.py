@@ -8,9 +8,10 @@ The run: tiny models on the toy task, two stages (objective=tinybert: an interme
 then a prediction stage), a checkpoint every 3 steps, evaluation every 4, and a cache with no
 teacher yet, so the teacher's fine-tuning, both stages, evaluations, checkpoint writes, the
 teacher-output store and the teacher's cache entry being published, and the final outputs are all
-moments a signal can land in. First the run goes uninterrupted (the reference, its wall time T);
+moments a signal can land in. First the run goes uninterrupted twice (the reference; the second, which must end identically, is
+timed: T);
 then each of N runs, in its own cache and run directory, gets the signal at a moment drawn
-uniformly from [t0, T), t0 the time to import kdrun (seeded: ``--seed``), and is restarted with the
+uniformly from [t0, T), t0 the moment the reference printed its first phase (seeded: ``--seed``), and is restarted with the
 same command until it exits 0 (a restart may be signalled again with ``--repeat``). A run counts as identical when its student
 weights are bit for bit the reference's, its results.json metrics (teacher, student, every
 evaluation) are equal, and its metrics.jsonl has the same records (throughput and timing fields,
@@ -36,7 +37,8 @@ RUN = ["teacher=tiny_random", "student=tiny_random", "logger=none", "task=toy", 
        "train.checkpoint_every_steps=3", "train.eval_batch_size=64", "train.num_threads=1"]
 TIMING_KEYS = ("per_s", "_s", "seconds", "time")
 PHASES = [("fine-tuning the teacher", "teacher fine-tuning"), ("teacher trained and cached", "teacher published"),
-          ("teacher store: building", "store building"), ("stage 0", "stage 0"), ("stage 1", "stage 1"),
+          ("teacher store: building", "store building"), ("stage 0:intermediate", "stage 0"),
+          ("stage 1:prediction", "stage 1"),
           ("outputs:", "outputs written")]
 
 
@@ -59,7 +61,7 @@ def command(args: argparse.Namespace, work: Path) -> list[str]:
 def env() -> dict[str, str]:
     e = dict(os.environ)
     e.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
-             OMP_NUM_THREADS="1")
+             OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return e
 
 
@@ -88,11 +90,24 @@ def finish(cmd: list[str], log, limit: int = 10) -> int:
     raise SystemExit(f"the run did not finish after {limit} restarts: {' '.join(cmd)}")
 
 
-def startup_seconds() -> float:
-    """How long the interpreter takes to import kdrun's run path: signals are drawn after it."""
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import kdrun.run, kdrun.trainer, transformers"], env=env(), check=True)
-    return time.perf_counter() - t0
+def timed_reference(cmd: list[str], log_path: Path) -> tuple[float, dict[str, float]]:
+    """Run the reference to completion as the signalled runs run (output to a file, unbuffered);
+    (its wall time, when each phase's marker first appeared in the file, polled every 20 ms)."""
+    t0, marks = time.perf_counter(), {}
+    with open(log_path, "w") as log:
+        proc = start(cmd, log)
+        while True:
+            done = proc.poll() is not None
+            text = log_path.read_text(errors="replace")
+            for marker, name in PHASES:
+                if name not in marks and marker in text:
+                    marks[name] = time.perf_counter() - t0
+            if done:
+                break
+            time.sleep(0.02)
+    if proc.returncode != 0:
+        raise SystemExit(f"the reference run failed: see {log_path}")
+    return time.perf_counter() - t0, marks
 
 
 def phase(log_text: str) -> str:
@@ -133,23 +148,29 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     sig = getattr(signal, f"SIG{args.signal}")
     ref_dir = out / "reference"
-    t0 = time.perf_counter()
-    with open(out.mkdir(parents=True, exist_ok=True) or out / "reference.log", "w") as log:
-        finish(command(args, ref_dir), log, limit=1)
-    total = time.perf_counter() - t0
+    out.mkdir(parents=True, exist_ok=True)
+    timed_reference(command(args, ref_dir), out / "reference.log")
     reference = outcome(ref_dir / "run")
-    t_import = startup_seconds()
+    # timed on a second uninterrupted run: the first pays one-off costs (compiling, the OS's file
+    # cache) that the signalled runs do not; it must also end exactly like the first
+    total, marks = timed_reference(command(args, out / "timing"), out / "timing.log")
+    if same(reference, outcome(out / "timing" / "run")):
+        raise SystemExit("two uninterrupted runs differ: the comparison cannot count anything (see timing.log)")
+    t_first = min(marks.values(), default=0.0)  # start-up (imports, config) is not drawn: nothing is written then
+    total = marks.get("outputs written", total) + 0.5  # after the outputs: only the exit is left
+    print(f"[fuzz_kill] reference {total:.1f}s; phases began at " +
+          ", ".join(f"{k} {v:.1f}s" for k, v in sorted(marks.items(), key=lambda kv: kv[1])), flush=True)
     rng = random.Random(args.seed)
     identical, landed = 0, {}
     for i in range(args.runs):
         work = out / f"run{i:03d}"
-        delay = rng.uniform(t_import, total)
+        delay = rng.uniform(t_first, total)
         with open(out / f"run{i:03d}.signalled.log", "w") as log:
             hit = signalled_run(command(args, work), delay, sig, log)
         where = phase((out / f"run{i:03d}.signalled.log").read_text(errors="replace")) if hit else "finished first"
         with open(out / f"run{i:03d}.restarts.log", "w") as log:
             for _ in range(args.repeat):
-                signalled_run(command(args, work), rng.uniform(t_import, total), sig, log)
+                signalled_run(command(args, work), rng.uniform(t_first, total), sig, log)
             starts = finish(command(args, work), log)
         landed[where] = landed.get(where, 0) + 1
         diff = same(reference, outcome(work / "run"))
