@@ -10,6 +10,8 @@ Scenarios (tiny models, so each rerun takes seconds):
   ``teachers``, ``tokenized`` and ``teacher_outputs``; and an interrupted run (stopped after 4 steps,
   a checkpoint every 3) whose ``checkpoints/last`` is damaged before it is resumed;
 * ``augment``: the toy task with TinyBERT's augmentation from a tiny masked LM: ``augmented``;
+* ``spans``: MGSKD on the toy task, its chunker trained on a tiny CoNLL-format corpus: ``chunkers`` and
+  the tokenised splits with their spans (``tokenized``);
 * ``corpus``: task-agnostic distillation on a small text corpus: ``corpus``.
 
 Each trial copies the scenario's pristine tree, damages one file (cut to half its size, one byte
@@ -51,7 +53,7 @@ MESSAGE_WORDS = ("damaged", "no manifest", "rebuilding", "moved to")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="outputs/fuzz_damage")
-    p.add_argument("--scenarios", default="task,augment,corpus")
+    p.add_argument("--scenarios", default="task,augment,spans,corpus")
     p.add_argument("--fast", action="store_true", help="a few (file, damage) pairs per scenario, for the tests")
     p.add_argument("--per-scenario", type=int, default=3, help="with --fast: trials per scenario")
     p.add_argument("--seed", type=int, default=0)
@@ -67,6 +69,20 @@ def write_corpus(path: Path, docs: int = 40, seed: int = 0) -> Path:
         lines.append("")
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def write_conll(d: Path) -> Path:
+    """A tiny chunked corpus in CoNLL-2000's format ('word POS chunk'), for MGSKD's chunker."""
+    sents = []
+    for det, noun, verb, prep, obj in [(d_, n, v, p, o) for d_ in ("the", "a") for n in ("cat", "dog", "man")
+                                       for v in ("sat", "slept") for p in ("on", "near") for o in ("mat", "park")]:
+        sents.append([(det, "DT", "B-NP"), (noun, "NN", "I-NP"), (verb, "VBD", "B-VP"), (prep, "IN", "B-PP"),
+                      ("the", "DT", "B-NP"), (obj, "NN", "I-NP"), (".", ".", "O")])
+    d.mkdir(parents=True, exist_ok=True)
+    text = "\n\n".join("\n".join(" ".join(t) for t in s) for s in sents) + "\n"
+    for name in ("train.txt", "test.txt"):
+        (d / name).write_text(text)
+    return d
 
 
 def make_mlm(out: Path) -> Path:
@@ -88,12 +104,17 @@ def scenario_args(name: str, shared: Path) -> tuple[list[str], list[str]]:
         return [*TINY, *TOY, "objective=two_stage_logit", "train.epochs=1", "augmentation=tinybert",
                 f"augmentation.mlm={mlm}", "augmentation.word_vectors=mlm_embeddings", "augmentation.n=2"], \
             ["augmented"]
+    if name == "spans":
+        conll = write_conll(shared / "conll")
+        return [*TINY, *TOY, "objective=mgskd", "objective.params.heads=8", "objective.params.structural_epochs=1",
+                "objective.params.prediction_epochs=1", "objective.params.batch_size=16",
+                f"spans.corpus_dir={conll}", "+spans.params.epochs=5"], ["chunkers", "tokenized"]
     if name == "corpus":
         corpus = write_corpus(shared / "corpus.txt")
         return [*TINY, "task=text_corpus", f"task.data_files={corpus}", "task.validation_percent=15",
                 "task.max_seq_length=24", "objective=distilbert_general", "train.epochs=1",
                 "objective.stages.0.batch_size=8"], ["corpus"]
-    raise SystemExit(f"--scenarios: unknown scenario {name!r}; choose from task, augment, corpus")
+    raise SystemExit(f"--scenarios: unknown scenario {name!r}; choose from task, augment, spans, corpus")
 
 
 def kdrun(overrides: list[str], cache: Path, run_dir: Path, log: Path) -> int:

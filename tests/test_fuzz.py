@@ -43,9 +43,9 @@ def test_fuzz_damage_fast(tmp_path: Path) -> None:
         rc = load_script("fuzz_damage").main(["--fast", "--per-scenario", "2", "--seed", "3", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "fuzz_damage.json").read_text())
     assert rc == 0, buf.getvalue()
-    assert {t["scenario"] for t in res["trials"]} == {"task", "augment", "corpus"}
+    assert {t["scenario"] for t in res["trials"]} == {"task", "augment", "spans", "corpus"}
     assert res["counts"].get("silently used", 0) == 0 and "0 silently used" in buf.getvalue()
-    assert sum(res["counts"].get(k, 0) for k in ("rebuilt", "refused")) >= 5
+    assert sum(res["counts"].get(k, 0) for k in ("rebuilt", "refused")) >= 7
 
 
 def test_fuzz_damage_damages_and_classifies(tmp_path: Path) -> None:
