@@ -288,7 +288,8 @@ class EngineStep:
                                      world_size=1, rank=0, train_cfg=train_cfg, run_dir=run_dir)
         self.state = SimpleNamespace(global_step=0, stage_step=0, batch_in_epoch=0, epoch=0)
         self.loop = SimpleNamespace(plan=plan, optimizer=make_optimizer(self.parts, plan), watch=FiniteWatch(),
-                                    teacher_table=None, share_params=None, log_every=10**9, total_steps=10**9)
+                                    teacher_table=None, store=None, share_params=None, log_every=10**9,
+                                    total_steps=10**9)
         self.loop.strategy = self._adaptive(plan) or PlainStep()
         self.grads: list[tuple[bool, float]] = []
         if record_grads:  # a host read of the gradient norm before every optimizer step
