@@ -57,6 +57,10 @@ TEACHER_KEYED_AS_RESOLVED = {
 TEACHER_NOT_IN_KEY = {
     "name": "a label; the model is identified by its resolved reference",
     "checkpoint": "a given checkpoint is loaded as it is: nothing is fine-tuned or cached",
+    "store": "whether distillation reads the fine-tuned teacher's outputs from the teacher-output store (after "
+             "fine-tuning; the store has its own key, kdrun/teacher_store.py)",
+    "store_dtype": "the dtype of the stored outputs (in the store's key, not the teacher's)",
+    "store_max_gb": "a size cap for the store's entries (after fine-tuning)",
     "source": "for truncated students only (teacher.kind=truncated is refused)",
     "num_layers": "for truncated students only (teacher.kind=truncated is refused)",
     "dtype": "the frozen teacher's dtype while distilling; it fine-tunes under the run's precision (keyed)",
