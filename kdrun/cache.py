@@ -201,12 +201,21 @@ def entry_problem(entry: Path) -> str | None:
     return None
 
 
-def quarantine(entry: Path, reason: str) -> Path:
-    """Move a damaged entry to ``<kind>/.damaged/`` (kept for inspection) and say so in one line."""
+def manifest_problem(entry: Path, check_files: bool = True) -> str | None:
+    """Why a directory published behind a manifest (a cache entry, a checkpoint) cannot be trusted:
+    its manifest is missing, or (``check_files``) :func:`entry_problem`; None when it verifies."""
+    if not (entry / COMPLETE_MARKER).exists():
+        return f"{COMPLETE_MARKER} (its manifest) is missing"
+    return entry_problem(entry) if check_files else None
+
+
+def quarantine(entry: Path, reason: str, then: str = "rebuilding") -> Path:
+    """Move a damaged entry to ``<kind>/.damaged/`` (kept for inspection) and say so in one line,
+    ending with what happens next."""
     dest = entry.parent / DAMAGED_DIR / f"{entry.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     dest.parent.mkdir(parents=True, exist_ok=True)
     os.replace(entry, dest)
-    print(f"[kdrun] cache entry {entry} is damaged ({reason}); moved to {dest} and rebuilding", flush=True)
+    print(f"[kdrun] cache entry {entry} is damaged ({reason}); moved to {dest} and {then}", flush=True)
     return dest
 
 
@@ -247,7 +256,7 @@ def get_or_build(root: str | os.PathLike, kind: str, key: str, build: Callable[[
     :func:`resumable_staging_dir`) and continues from what it finds there.
     """
     entry = Path(root).expanduser() / kind / key
-    if is_complete(entry) and entry_problem(entry) is None:
+    if manifest_problem(entry) is None:
         return entry, True
     entry.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(entry) + ".lock"):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from kdrun.cache import COMPLETE_MARKER, DAMAGED_DIR, entry_problem
+from kdrun.cache import DAMAGED_DIR, manifest_problem, quarantine
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -84,11 +84,7 @@ def scan(root: Path, check: bool) -> list[Item]:
                 items.append(Item(kind_dir.name, staging_key(path.name), path, "unfinished", tree_size(path),
                                   now - last_change(path)))
                 continue
-            problem = None
-            if not (path / COMPLETE_MARKER).exists():
-                problem = f"{COMPLETE_MARKER} (its manifest) is missing"
-            elif check:
-                problem = entry_problem(path)
+            problem = manifest_problem(path, check_files=check)
             state = "damaged" if problem else ("ok" if check else "(not checked)")
             items.append(Item(kind_dir.name, path.name, path, state, tree_size(path), now - last_change(path), problem))
     return items
@@ -168,10 +164,7 @@ def verify(items: list[Item], fix: bool) -> int:
     for it in bad:
         print(f"damaged: {it.path}: {it.problem}")
         if fix:
-            dest = it.path.parent / DAMAGED_DIR / f"{it.key}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(it.path, dest)
-            print(f"  moved to {dest}; the next run that needs it rebuilds it")
+            quarantine(it.path, it.problem or "damaged", then="the next run that needs it rebuilds it")
     print(f"{len(entries) - len(bad)}/{len(entries)} entries verify" + (f"; {len(bad)} damaged" if bad else ""))
     return 1 if bad and not fix else 0
 

@@ -7,7 +7,9 @@ the best dev student so far. A resumed run continues bit for bit as if it had ne
 from __future__ import annotations
 
 import json
+import os
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from kdrun.cache import COMPLETE_MARKER, entry_problem, staging_dir, write_json_atomic, write_manifest
+from kdrun.cache import manifest_problem, staging_dir, write_json_atomic, write_manifest
 from kdrun.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
@@ -139,18 +141,8 @@ def save_checkpoint(parts: RunParts, state: TrainState, optimizer, scheduler, pr
         write_manifest(tmp)  # sizes and checksums: a damaged checkpoint is never resumed from
 
 
-def checkpoint_problem(ckpt: Path) -> str | None:
-    """Why a checkpoint cannot be trusted (no manifest, a file missing, truncated or changed), or None."""
-    if not (ckpt / COMPLETE_MARKER).exists():
-        return f"{COMPLETE_MARKER} (its manifest) is missing"
-    return entry_problem(ckpt)
-
-
 def set_aside(ckpt: Path, problem: str, what: str) -> Path:
     """Move a damaged checkpoint next to itself (kept for inspection) and say so in one line."""
-    import os
-    import time
-
     dest = ckpt.with_name(f"{ckpt.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     os.replace(ckpt, dest)
     print(f"[kdrun] {ckpt} is damaged ({problem}); moved to {dest}; {what}", flush=True)
@@ -163,7 +155,7 @@ def load_checkpoint_state(run_dir: Path, config_hash: str) -> TrainState | None:
     ckpt = checkpoint_dir(run_dir)
     if not ckpt.exists():
         return None
-    problem = checkpoint_problem(ckpt)
+    problem = manifest_problem(ckpt)
     if problem is not None:
         set_aside(ckpt, problem, "the run starts over from the beginning")
         return None
@@ -233,9 +225,10 @@ def restore_models(parts: RunParts, ckpt: Path) -> None:
 def finalize_best(parts: RunParts) -> None:
     """Load the kept best student (when selecting) into ``parts.student``."""
     best = parts.run_dir / "checkpoints" / "best" / "student.safetensors"
-    problem = checkpoint_problem(best.parent) if best.parent.exists() else None
-    if parts.train_cfg.keep_best and problem is not None:
+    if not parts.train_cfg.keep_best or not best.parent.exists():
+        return
+    problem = manifest_problem(best.parent)
+    if problem is not None:
         raise UserError(f"{best.parent} (the best student so far) is damaged ({problem}); it cannot be recomputed "
                         "without training again: rerun with resume=false")
-    if parts.train_cfg.keep_best and best.exists():
-        load_module(parts.accelerator.unwrap_model(parts.student), best)
+    load_module(parts.accelerator.unwrap_model(parts.student), best)

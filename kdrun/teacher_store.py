@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -168,26 +168,26 @@ def estimate_bytes(teacher: torch.nn.Module, kinds: list[str], tokens: int, rows
     return item * (tokens * per_token + rows * max(1, num_labels) * 2) + 8 * (rows + 1)
 
 
-def build_store(tmp: Path, teacher: torch.nn.Module, ds: Any, collator: Any, needs: frozenset[str],
-                batch_size: int, accelerator: Any, dtype: torch.dtype) -> None:
-    """One pass of the frozen teacher over ``ds`` (row order), its outputs written unpadded to ``tmp``."""
+def build_store(tmp: Path, teacher: torch.nn.Module, ds: Any, lengths: np.ndarray, collator: Any,
+                needs: frozenset[str], batch_size: int, accelerator: Any, dtype: torch.dtype) -> None:
+    """One pass of the frozen teacher over ``ds`` (row order; ``lengths``: its rows' token counts),
+    its outputs written unpadded to ``tmp``."""
     from tqdm.auto import tqdm
 
     from kdrun.data.pipeline import make_loader
 
-    lengths = row_lengths(ds)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     np.save(tmp / "offsets.npy", offsets)
     writer, kinds = _Writer(tmp, offsets, dtype), stored_kinds(needs)
     loader, _ = make_loader(ds, batch_size, collator, seed=0, train=False)
-    teacher_needs = frozenset(set(kinds) | {"logits"})
+    teacher_needs = frozenset({*kinds, "logits"})
     t0, batches = time.perf_counter(), 0
     with host_section(), torch.inference_mode():
         for batch in tqdm(loader, desc="teacher store", leave=False, mininterval=2.0, dynamic_ncols=True):
             idx = batch["idx"].numpy()
             batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             with accelerator.autocast():
-                feats = extract_features(teacher, batch, teacher_needs | {"logits"})
+                feats = extract_features(teacher, batch, teacher_needs)
             writer.add(idx, batch["attention_mask"], _outputs(feats, kinds))
             batches += 1
     arrays = writer.close()
@@ -287,11 +287,19 @@ class StoreSettings:
     cache_dir: str | None = None
     key: dict[str, Any] | None = None  # tokenizer hash, max length, teacher dtype, task kind
     _weights: str | None = None
+    _data: dict[Any, str] = field(default_factory=dict)
 
     def weights(self, teacher: torch.nn.Module) -> str:
         if self._weights is None:
             self._weights = weights_hash(teacher)
         return self._weights
+
+    def data(self, ds: Any) -> str:
+        """:func:`data_hash`, once per data set of the run (every stage on it asks)."""
+        ref = getattr(ds, "_fingerprint", None) or id(ds)
+        if ref not in self._data:
+            self._data[ref] = data_hash(ds)
+        return self._data[ref]
 
 
 def _size(n: float) -> str:
@@ -299,7 +307,7 @@ def _size(n: float) -> str:
 
 
 def store_key(settings: StoreSettings, teacher: torch.nn.Module, ds: Any, kinds: list[str], precision: str) -> str:
-    return content_hash({"version": FORMAT_VERSION, "teacher": settings.weights(teacher), "data": data_hash(ds),
+    return content_hash({"version": FORMAT_VERSION, "teacher": settings.weights(teacher), "data": settings.data(ds),
                          "kinds": kinds, "dtype": settings.dtype, "precision": precision, **(settings.key or {})})
 
 
@@ -345,8 +353,8 @@ def open_stage_store(parts: Any, plan: Any, ds: Any, adaptive: bool) -> StoreRea
     def build(tmp: Path) -> None:
         say(f"[kdrun] teacher store: building {'+'.join(kinds)} of {len(lengths)} rows ({int(lengths.sum())} "
             f"tokens, {settings.dtype}): {_size(size)} in {root}")
-        build_store(tmp, parts.teacher, ds, parts.collator, plan.teacher_needs, parts.train_cfg.eval_batch_size,
-                    acc, dtype)
+        build_store(tmp, parts.teacher, ds, lengths, parts.collator, plan.teacher_needs,
+                    parts.train_cfg.eval_batch_size, acc, dtype)
 
     entry, cached = get_or_build(settings.cache_dir, KIND, key, build)
     reader = StoreReader(entry)

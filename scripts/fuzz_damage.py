@@ -118,9 +118,9 @@ def scenario_args(name: str, shared: Path) -> tuple[list[str], list[str]]:
 
 
 def kdrun(overrides: list[str], cache: Path, run_dir: Path, log: Path) -> int:
-    cmd = [sys.executable, "-m", "kdrun", *overrides, f"cache_dir={cache}", f"output_dir={run_dir}"]
     with open(log, "w") as f:
-        return subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=fk.env())
+        return subprocess.call(fk.kdrun_command(overrides, cache, run_dir), stdout=f, stderr=subprocess.STDOUT,
+                               env=fk.env())
 
 
 def entry_files(cache: Path, kinds: list[str]) -> list[Path]:

@@ -73,15 +73,15 @@ def kdrun(overrides: list[str], work: Path, log: Path, extra_env: dict[str, str]
           cache: Path | None = None, run_dir: Path | None = None) -> subprocess.Popen:
     env = {**fk.env(), "PYTHONPATH": os.pathsep.join([str(work.parent), os.environ.get("PYTHONPATH", "")]),
            **(extra_env or {})}
-    cmd = [sys.executable, "-m", "kdrun", *TINY, *overrides, f"cache_dir={cache or work / 'cache'}",
-           f"output_dir={run_dir or work / 'run'}"]
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+    cmd = fk.kdrun_command([*TINY, *overrides], cache or work / "cache", run_dir or work / "run")
+    with open(log, "w") as f:  # the child keeps its own descriptor
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
 def intact(ckpt: Path) -> bool:
-    from kdrun.checkpoints import checkpoint_problem
+    from kdrun.cache import manifest_problem
 
-    return not ckpt.exists() or checkpoint_problem(ckpt) is None
+    return not ckpt.exists() or manifest_problem(ckpt) is None
 
 
 def steps_of(run_dir: Path) -> int:
@@ -148,18 +148,16 @@ def mounted(path: Path, mb: float) -> bool:
 
 
 def du_mb(path: Path) -> float:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**20
+    from kdrun.cache_cli import tree_size
+
+    return tree_size(path) / 2**20
 
 
 def entries_ok(cache: Path) -> bool:
-    """Every published cache entry verifies against its manifest."""
-    from kdrun.cache import COMPLETE_MARKER, entry_problem
+    """Every published cache entry verifies against its manifest (``kdrun-cache verify``'s check)."""
+    from kdrun.cache_cli import scan
 
-    for kind in (p for p in cache.glob("*") if p.is_dir()):
-        for entry in (p for p in kind.glob("*") if p.is_dir() and not p.name.startswith(".")):
-            if not (entry / COMPLETE_MARKER).exists() or entry_problem(entry) is not None:
-                return False
-    return True
+    return cache.exists() and all(it.state != "damaged" for it in scan(cache, check=True))
 
 
 def disk_trials(args: argparse.Namespace, out: Path, rng: random.Random) -> tuple[int, int]:

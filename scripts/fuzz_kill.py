@@ -8,11 +8,12 @@ The run: tiny models on the toy task, two stages (objective=tinybert: an interme
 then a prediction stage), a checkpoint every 3 steps, evaluation every 4, and a cache with no
 teacher yet, so the teacher's fine-tuning, both stages, evaluations, checkpoint writes, the
 teacher-output store and the teacher's cache entry being published, and the final outputs are all
-moments a signal can land in. First the run goes uninterrupted twice (the reference; the second, which must end identically, is
-timed: T);
-then each of N runs, in its own cache and run directory, gets the signal at a moment drawn
-uniformly from [t0, T), t0 the moment the reference printed its first phase (seeded: ``--seed``), and is restarted with the
-same command until it exits 0 (a restart may be signalled again with ``--repeat``). A run counts as identical when its student
+moments a signal can land in. First the run goes uninterrupted twice: the reference, and a second
+run that must end identically and is timed from its log (t0 when it printed its first phase, T
+half a second after it printed its outputs). Then each of N runs, in its own cache and run
+directory, gets the signal at a moment drawn uniformly from [t0, T) (seeded: ``--seed``) and is
+restarted with the same command until it exits 0 (a restart may be signalled again with
+``--repeat``). A run counts as identical when its student
 weights are bit for bit the reference's, its results.json metrics (teacher, student, every
 evaluation) are equal, and its metrics.jsonl has the same records (throughput and timing fields,
 which measure the machine, left out). Prints where each signal landed (the last phase the run had
@@ -53,9 +54,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def kdrun_command(overrides: list[str], cache: Path, run_dir: Path) -> list[str]:
+    """``python -m kdrun`` with ``overrides`` in its own cache and run directory (the fuzz scripts' runs)."""
+    return [sys.executable, "-m", "kdrun", *overrides, f"cache_dir={cache}", f"output_dir={run_dir}"]
+
+
 def command(args: argparse.Namespace, work: Path) -> list[str]:
     extra = ["objective.params.prediction_epochs=1"] if args.fast else []
-    return [sys.executable, "-m", "kdrun", *RUN, *extra, f"cache_dir={work / 'cache'}", f"output_dir={work / 'run'}"]
+    return kdrun_command([*RUN, *extra], work / "cache", work / "run")
 
 
 def env() -> dict[str, str]:
