@@ -27,7 +27,7 @@ _STATUS = {"started": False, "user_error": False}
 
 @hydra.main(version_base="1.3", config_path="pkg://kdrun.conf", config_name="config")
 def _main(cfg: DictConfig) -> float | None:
-    from kdrun.run import run
+    from kdrun.app.run import run
 
     hc = HydraConfig.get()
     run_dir = Path(cfg.output_dir) if cfg.output_dir else Path(hc.runtime.output_dir)
@@ -36,7 +36,7 @@ def _main(cfg: DictConfig) -> float | None:
         with open_dict(cfg):  # group the jobs of one sweep together in wandb
             cfg.logger.group = Path(hc.sweep.dir).name
     _STATUS["started"] = True
-    from kdrun.threads import register_run
+    from kdrun.runtime.threads import register_run
 
     register_run()  # early: jobs started together all count each other when choosing threads
     _setup_submitit_distributed()
@@ -114,7 +114,7 @@ def main() -> None:
 
         os.environ["KDRUN_SWEEP_NAME"] = sweep_name(_command_overrides(sys.argv[1:]))
     if {"-m", "--multirun"} & set(sys.argv[1:]):
-        from kdrun.launching import install
+        from kdrun.runtime.launching import install
 
         install()  # submitit launchers: skip finished jobs, follow SLURM jobs without accounting
     try:

@@ -80,10 +80,14 @@ class TaskConfig:
     # the stage keeps no student: the last one (or an earlier stage's kept one) is the result.
     selection_threshold: Optional[float] = None
     toy: Optional[ToyConfig] = None
-    # ``classification`` (sentence / sentence-pair classification and regression), ``qa``
-    # (extractive question answering on SQuAD v1.1 JSON, kdrun/qa/) or ``corpus`` (raw text for
-    # general distillation, kdrun/general/; no labels). The keys below are for qa / corpus only.
+    # The task kind (kdrun/tasks/kinds.py): ``classification`` (sentence / sentence-pair
+    # classification and regression), ``qa`` (extractive question answering on SQuAD v1.1 JSON,
+    # kdrun/tasks/qa/) or ``corpus`` (raw text for task-agnostic distillation,
+    # kdrun/strategies/task_agnostic/; no labels). The keys below are for qa / corpus only.
     kind: str = "classification"
+    # Modules to import before the kind is looked up (a task kind registered out of tree, see
+    # kdrun.tasks.kinds); the built-in kinds and installed plug-ins need none.
+    imports: List[str] = field(default_factory=list)
     # qa: split the eval split's file by article (the first N articles train, the rest evaluate);
     # null = separate train and eval files. max_train_samples / max_eval_samples count questions.
     split_by_article: Optional[int] = None
@@ -92,7 +96,7 @@ class TaskConfig:
     # qa: longest predicted answer (tokens) and the start / end candidates tried per window.
     max_answer_length: int = 30
     n_best: int = 20
-    # corpus (``task.kind=corpus``, general distillation on raw text, kdrun/general/): the corpus is
+    # corpus (``task.kind=corpus``, general distillation on raw text, kdrun/strategies/task_agnostic/): the corpus is
     # ``data_files`` (files, a directory or globs of plain-text or WikiExtractor files); documents
     # whose text hashes into the first ``validation_percent`` % are held out for evaluation;
     # segments shorter than ``min_segment_tokens`` (a document's tail) are dropped.
@@ -131,7 +135,7 @@ class FinetuneConfig:
     # student from the same (cached) teacher, as the papers do.
     seed: int = 42
     # The teacher's own counterparts of train.* (those train the student only, so a sweep over
-    # them distils every student from one cached teacher; kdrun/teacher.py classifies every key).
+    # them distils every student from one cached teacher; kdrun/app/teacher.py classifies every key).
     gradient_accumulation_steps: int = 1
     max_grad_norm: float = 1.0
     # Keep the best dev teacher (false: the last one).
@@ -154,7 +158,7 @@ class ModelConfig:
       - ``truncated``: the first ``num_layers`` transformer layers (and embeddings) of ``source``
         (``teacher`` = the fine-tuned teacher, or any model reference as above), PKD-style.
       - ``random``: a freshly initialised model of ``family`` (bert, roberta, distilbert, electra,
-        deberta-v2; kdrun/adaptors.py) with the given sizes (tests, ablations).
+        deberta-v2; kdrun/models/adaptors.py) with the given sizes (tests, ablations).
     """
 
     kind: str = "pretrained"
@@ -177,7 +181,7 @@ class ModelConfig:
     # Teacher only: the dtype of the frozen teacher's weights while distilling: ``auto`` (the
     # training precision: bf16/fp16 under mixed precision, fp32 otherwise), ``fp32``, ``bf16``, ``fp16``.
     dtype: str = "auto"
-    # Teacher only: the teacher-output store (kdrun/teacher_store.py): ``auto`` reads a frozen
+    # Teacher only: the teacher-output store (kdrun/engine/teacher_store.py): ``auto`` reads a frozen
     # teacher's outputs from the cache where that is faster than running it (building them once),
     # ``on`` always where the stage's features can be stored, ``off`` runs the teacher live.
     store: str = "auto"
@@ -198,7 +202,7 @@ class LossTermConfig:
 
 @dataclass
 class AdaptiveConfig:
-    """DynaBERT's width- and depth-adaptive training (Hou et al., 2020) for one stage (kdrun/dynabert).
+    """DynaBERT's width- and depth-adaptive training (Hou et al., 2020) for one stage (kdrun/strategies/dynabert).
 
     ``phase``: null (an ordinary stage), ``width`` (phase 2: each batch trains every width at full
     depth; the teacher is the run's teacher) or ``depth`` (phase 3: every width x depth; the teacher
@@ -253,7 +257,7 @@ class ObjectiveConfig:
     # Python modules to import before the stages' loss terms are looked up: loss plug-ins that are
     # not installed under the ``kdrun.losses`` entry-point group (e.g. [my_pkg.my_losses]).
     imports: List[str] = field(default_factory=list)
-    # Loss balancing (kdrun/balance.py): ``fixed`` (the YAML weights), ``gradnorm`` (Chen et al.,
+    # Loss balancing (kdrun/engine/balance.py): ``fixed`` (the YAML weights), ``gradnorm`` (Chen et al.,
     # 2018; balance_alpha is its α) or ``uncertainty`` (Kendall et al., 2018) learn a factor per term.
     balance: str = "fixed"
     balance_alpha: float = 1.5
@@ -261,7 +265,7 @@ class ObjectiveConfig:
 
 @dataclass
 class MappingConfig:
-    """Which teacher representation each student layer learns from (see kdrun/mapping.py)."""
+    """Which teacher representation each student layer learns from (see kdrun/models/mapping.py)."""
 
     name: str = "uniform"
     include_embeddings: bool = True
@@ -340,7 +344,7 @@ class TrainConfig:
     # ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
     device: str = "auto"
     # ``auto`` = bf16 on a GPU that computes it natively (Ampere+), fp16 + grad scaler on older GPUs,
-    # fp32 on CPU; ``fp32``, ``bf16``, ``fp16`` force one (on CPU too: kdrun/precision.py).
+    # fp32 on CPU; ``fp32``, ``bf16``, ``fp16`` force one (on CPU too: kdrun/runtime/precision.py).
     precision: str = "auto"
     gradient_accumulation_steps: int = 1
     max_grad_norm: float = 1.0
@@ -361,10 +365,10 @@ class TrainConfig:
     pad_to_max_length: bool = False
     # Data-loading processes: an integer >= 0 (0 = collate batches in the training process) or
     # ``auto``: 0 on CPU (workers would compete with the compute threads), min(4, half the cores)
-    # on CUDA (kdrun.data.pipeline.resolve_num_workers). Batches and their order do not depend on it.
+    # on CUDA (kdrun.tasks.data.pipeline.resolve_num_workers). Batches and their order do not depend on it.
     num_workers: Any = "auto"
     # Compute threads of this run (null: OMP_NUM_THREADS if exported, SLURM's cpus_per_task in a
-    # SLURM job, else the machine's cores divided by the kdrun runs alive on it; kdrun/threads.py).
+    # SLURM job, else the machine's cores divided by the kdrun runs alive on it; kdrun/runtime/threads.py).
     num_threads: Optional[int] = None
     # Several processes (DDP): search for parameters without gradients every step. null = only in
     # stages whose loss can leave some unused (no term reads the task logits, or DynaBERT sub-networks).
@@ -401,6 +405,17 @@ class KdrunConfig:
     resume: Any = True
     output_dir: Optional[str] = None
     run_name: Optional[str] = None
+
+
+def task_config(task: Any) -> Any:
+    """``task`` as a typed TaskConfig (a structured DictConfig): a composed run's ``cfg.task`` as it
+    is, a plain mapping (a results.json's config, a test's dict) checked against the schema and
+    completed with its defaults, so task code reads attributes and a wrong key fails naming it."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(task) and OmegaConf.get_type(task) is TaskConfig:
+        return task
+    return OmegaConf.merge(OmegaConf.structured(TaskConfig), task)
 
 
 def _one_minus(x: float) -> float:

@@ -5,7 +5,7 @@ sentences with the same randomly initialised BertForMaskedLM (weights do not cha
 the input "[CLS] masked [SEP] original [SEP]":
 
 - batched: all masked inputs of all sentences, sorted by length, in batches; the vocabulary
-  projection only at the masked positions; top-k on the device (kdrun.augment).
+  projection only at the masked positions; top-k on the device (kdrun.strategies.augment).
 - naive: the original algorithm's cost model: for each word, one forward pass of batch size 1 with
   logits at every position, then top-k at the mask.
 
@@ -54,7 +54,7 @@ def _sentences(data_dir: str, n: int) -> list[str]:
     from omegaconf import OmegaConf
 
     from kdrun.config import TaskConfig
-    from kdrun.data.sources import load_task_data
+    from kdrun.tasks.data.sources import load_task_data
 
     task = OmegaConf.merge(OmegaConf.structured(TaskConfig), OmegaConf.load(REPO / "conf" / "task" / "sst2.yaml"),
                            {"data_dir": data_dir, "max_train_samples": n, "max_eval_samples": 1})
@@ -107,10 +107,10 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
-    from kdrun.augment.build import find_candidates
-    from kdrun.augment.mlm import naive_candidates, wrap_mlm
-    from kdrun.augment.words import is_replaceable, is_space, split_pieces
-    from kdrun.models import resolve_reference
+    from kdrun.models.loading import resolve_reference
+    from kdrun.strategies.augment.build import find_candidates
+    from kdrun.strategies.augment.mlm import naive_candidates, wrap_mlm
+    from kdrun.strategies.augment.words import is_replaceable, is_space, split_pieces
 
     texts = _sentences(args.data_dir, args.n_sentences)
     naive_texts = texts[: args.naive_sentences]

@@ -20,8 +20,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kdrun.data.pipeline import Collator, LengthGroupedBatchSampler
-from kdrun.general.data import CorpusCollator
+from kdrun.strategies.task_agnostic.data import CorpusCollator
+from kdrun.tasks.data.pipeline import Collator, LengthGroupedBatchSampler
 
 TOKEN_COLUMNS = ("input_ids", "attention_mask", "token_type_ids")
 

@@ -1,5 +1,5 @@
 """Two kdrun runs at once on one machine: every run taking all cores (the naive way) vs kdrun's
-default thread choice (cores divided by the live kdrun runs; kdrun/threads.py).
+default thread choice (cores divided by the live kdrun runs; kdrun/runtime/threads.py).
 
     python scripts/bench_concurrency.py                       # two `kdrun experiment=quickstart`
     python scripts/bench_concurrency.py --overrides task.toy.num_train=1000

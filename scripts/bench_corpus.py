@@ -49,7 +49,7 @@ def time_loading(loop, steps: int) -> tuple[float, int]:
 
 def time_naive_loading(files, tokenizer, batch_size: int, max_len: int, steps: int) -> tuple[float, int]:
     """Read and tokenise documents for every batch (no segment cache)."""
-    from kdrun.data.corpus import iter_documents
+    from kdrun.tasks.data.corpus import iter_documents
 
     t0, n, docs = time.perf_counter(), 0, iter_documents(files)
     for _ in range(steps):
@@ -60,14 +60,14 @@ def time_naive_loading(files, tokenizer, batch_size: int, max_len: int, steps: i
 
 
 def time_training(parts, loop, state, steps: int) -> tuple[float, int]:
-    from kdrun.trainer import _to_device, train_step
+    from kdrun.engine.trainer import to_device, train_step
 
     it = iter(loop.loader)
-    batch = _to_device(next(it), parts.accelerator.device)
+    batch = to_device(next(it), parts.accelerator.device)
     train_step(parts, loop, batch, state)  # warm-up step, not timed
     t0, n = time.perf_counter(), 0
     for _ in range(steps):
-        batch = _to_device(next(it), parts.accelerator.device)
+        batch = to_device(next(it), parts.accelerator.device)
         train_step(parts, loop, batch, state)
         n += tokens(batch)
     return time.perf_counter() - t0, n
@@ -78,17 +78,17 @@ def main() -> None:
     ap.add_argument("--data", required=True, help="corpus files or directory (task.data_files)")
     ap.add_argument("--steps", type=int, default=15)
     args, overrides = ap.parse_known_args()
-    from kdrun.data.corpus import corpus_files
-    from kdrun.preflight import preflight
-    from kdrun.run import build_student, load_data, load_teacher, make_parts, start_session
-    from kdrun.trainer import TrainState, setup_stage
+    from kdrun.app.preflight import preflight
+    from kdrun.app.run import build_student, load_data, load_teacher, make_parts, start_session
+    from kdrun.engine.trainer import TrainState, setup_stage
+    from kdrun.tasks.data.corpus import corpus_files
 
     cfg = compose(["task=wikipedia", f"task.data_files={args.data}", "teacher=minilm_l6", "student=general_L4_H312",
                    "objective=ckd_general", "logger=none", *overrides])
     with tempfile.TemporaryDirectory() as tmp:
         session = start_session(cfg, Path(tmp), preflight(cfg), time.perf_counter())
         data = load_data(session)  # builds or loads the cached shards (not timed)
-        from kdrun.tracking import Tracker
+        from kdrun.runtime.tracking import Tracker
 
         session.tracker = Tracker(Path(tmp), cfg.logger, {}, "bench", enabled=False)
         models = build_student(session, data, load_teacher(session, data))

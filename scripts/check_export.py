@@ -20,14 +20,14 @@ from omegaconf import OmegaConf
 def main(argv: list[str]) -> int:
     from transformers import AutoModelForSequenceClassification
 
-    from kdrun.data.pipeline import Collator, tokenize_splits
-    from kdrun.data.sources import load_task_data
-    from kdrun.dynabert.export import main as export_main
-    from kdrun.dynabert.subnet import subnetwork
-    from kdrun.metrics import task_metric_fn
-    from kdrun.models import load_tokenizer
-    from kdrun.run import make_accelerator
-    from kdrun.trainer import predict
+    from kdrun.app.run import make_accelerator
+    from kdrun.engine.trainer import predict
+    from kdrun.models.loading import load_tokenizer
+    from kdrun.strategies.dynabert.export import main as export_main
+    from kdrun.strategies.dynabert.subnet import subnetwork
+    from kdrun.tasks.data.pipeline import Collator, tokenize_splits
+    from kdrun.tasks.data.sources import load_task_data
+    from kdrun.tasks.kinds import kind_of
 
     run_dir, width_arg, depth_arg, out_dir = Path(argv[0]), argv[1], argv[2], Path(argv[3])
     t0 = time.perf_counter()
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     logits_e, labels = predict(exported, data, collator, 128, acc)
     with torch.no_grad(), subnetwork(run_model, width, depth):
         logits_r, _ = predict(run_model, data, collator, 128, acc)
-    metrics = task_metric_fn(cfg.task)
+    metrics = kind_of(cfg.task).metric_fn(cfg.task, {split: data})
     row = next(r for r in res["subnetworks"]["rows"] if (r["width"], r["depth"]) == (width, depth))
     out = {"width": width, "depth": depth, "rows": len(labels),
            "max_abs_logit_diff": float(np.abs(logits_e - logits_r).max()),

@@ -79,7 +79,7 @@ def kdrun(overrides: list[str], work: Path, log: Path, extra_env: dict[str, str]
 
 
 def intact(ckpt: Path) -> bool:
-    from kdrun.cache import manifest_problem
+    from kdrun.runtime.cache import manifest_problem
 
     return not ckpt.exists() or manifest_problem(ckpt) is None
 
@@ -148,14 +148,14 @@ def mounted(path: Path, mb: float) -> bool:
 
 
 def du_mb(path: Path) -> float:
-    from kdrun.cache_cli import tree_size
+    from kdrun.runtime.cache_cli import tree_size
 
     return tree_size(path) / 2**20
 
 
 def entries_ok(cache: Path) -> bool:
     """Every published cache entry verifies against its manifest (``kdrun-cache verify``'s check)."""
-    from kdrun.cache_cli import scan
+    from kdrun.runtime.cache_cli import scan
 
     return cache.exists() and all(it.state != "damaged" for it in scan(cache, check=True))
 

@@ -30,7 +30,7 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
-    from kdrun.models import resolve_reference
+    from kdrun.models.loading import resolve_reference
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_reference(args.tokenizer, what="--tokenizer"))
     torch.manual_seed(args.seed)

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from kdrun.dynabert.results import plot_subnetworks
+from kdrun.strategies.dynabert.results import plot_subnetworks
 
 
 def load(specs: list[str]) -> dict[str, dict]:

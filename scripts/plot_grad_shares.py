@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from kdrun.cache import atomic_file
+from kdrun.runtime.cache import atomic_file
 
 PANELS = (("grad_share", "gradient share"), ("grad_cos", "cos(term grad, total grad)"),
           ("weighted", "weighted value"))

@@ -89,8 +89,8 @@ def plot_alp(run_dir: Path, results: dict, out: Path, n_examples: int, seed: int
     from omegaconf import OmegaConf
     from transformers import AutoModel, AutoTokenizer
 
-    from kdrun.data.sources import load_task_data
-    from kdrun.mapping import LayerMap, Row
+    from kdrun.models.mapping import LayerMap, Row
+    from kdrun.tasks.data.sources import load_task_data
 
     config = results["config"]
     rows = alp_rows(results)

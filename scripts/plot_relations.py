@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> Path:
     import matplotlib.pyplot as plt
     import torch
 
-    from kdrun.mapping import build_layer_pairs
+    from kdrun.models.mapping import build_layer_pairs
 
     student, teacher = load_model(args.student), load_model(args.teacher)
     tok = load_tokenizer(args.student, args.teacher)

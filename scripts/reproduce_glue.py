@@ -35,8 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-from kdrun.cache import write_json_atomic
-from kdrun.report import collect
+from kdrun.report.cli import collect
+from kdrun.runtime.cache import write_json_atomic
 
 # kdrun's GLUE tasks (conf/task/<name>.yaml) and their directories in the classic GLUE TSV layout
 GLUE_DIRS = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "stsb": "STS-B", "rte": "RTE", "qnli": "QNLI",

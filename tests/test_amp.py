@@ -1,5 +1,5 @@
 """Mixed precision on CPU stand-ins of the GPU paths: every objective takes training steps under bf16
-autocast and under fp16 autocast with a ``torch.amp.GradScaler("cpu")`` (kdrun.precision), with
+autocast and under fp16 autocast with a ``torch.amp.GradScaler("cpu")`` (kdrun.runtime.precision), with
 losses close to fp32's from the same weights and batches; the run's one scaler unscales each stage's
 gradients exactly once (a second stage's gradients equal fp32's, not fp32's / scale)."""
 
@@ -25,11 +25,11 @@ def cache(tmp_path_factory) -> Path:
 
 
 def session_parts(cfg, run_dir: Path):
-    """The run's parts (data, cached teacher, student, objective) as kdrun.run builds them."""
+    """The run's parts (data, cached teacher, student, objective) as kdrun.app.run builds them."""
     import time
 
-    from kdrun.preflight import preflight
-    from kdrun.run import build_student, load_data, load_teacher, make_parts, make_tracker, start_session
+    from kdrun.app.preflight import preflight
+    from kdrun.app.run import build_student, load_data, load_teacher, make_parts, make_tracker, start_session
 
     session = start_session(cfg, run_dir, preflight(cfg), time.perf_counter())
     data = load_data(session)
@@ -40,10 +40,10 @@ def session_parts(cfg, run_dir: Path):
 
 def steps_in(parts, plans, precision: str) -> list[float]:
     """STEPS optimizer steps of every stage from the parts' current weights, in ``precision``."""
-    from kdrun.checkpoints import TrainState
-    from kdrun.precision import Precision
-    from kdrun.run import cast_teacher
-    from kdrun.trainer import setup_stage, train_step
+    from kdrun.app.run import cast_teacher
+    from kdrun.engine.checkpoints import TrainState
+    from kdrun.engine.trainer import setup_stage, train_step
+    from kdrun.runtime.precision import Precision
 
     acc = parts.accelerator
     acc.precision = Precision(precision, "cpu")
@@ -104,10 +104,10 @@ def test_every_objective_steps_under_bf16_and_fp16_autocast_near_fp32(objective:
 
 def test_autocast_runs_the_models_in_half_and_the_objective_in_fp32(run_cfg, tmp_path: Path) -> None:
     """Under bf16 the student's features are bf16 (autocast is on), the loss and each term fp32."""
-    from kdrun.checkpoints import TrainState
-    from kdrun.features import extract_features
-    from kdrun.precision import Precision
-    from kdrun.trainer import objective_loss, setup_stage
+    from kdrun.engine.checkpoints import TrainState
+    from kdrun.engine.trainer import objective_loss, setup_stage
+    from kdrun.models.features import extract_features
+    from kdrun.runtime.precision import Precision
 
     session, parts = session_parts(run_cfg("objective=tinybert"), tmp_path / "run")
     parts.accelerator.precision = Precision("bf16", "cpu")
@@ -125,7 +125,7 @@ def test_autocast_runs_the_models_in_half_and_the_objective_in_fp32(run_cfg, tmp
 
 
 def test_precision_auto_takes_native_bf16_only(monkeypatch) -> None:
-    import kdrun.precision as P
+    import kdrun.runtime.precision as P
 
     assert P.resolve_precision("auto", "cpu") == "no"
     monkeypatch.setattr(P, "native_bf16", lambda: True)
@@ -149,7 +149,7 @@ def test_precision_auto_takes_native_bf16_only(monkeypatch) -> None:
 def _grads_at_steps(parts, session, precision: str) -> list[tuple[int, torch.Tensor]]:
     """The (stage, unscaled gradient of the student's decayed weights) the optimizer applies at each
     step of a whole run's stages; patched into the run's one Precision object."""
-    from kdrun.precision import Precision
+    from kdrun.runtime.precision import Precision
 
     seen: list[tuple[int, torch.Tensor]] = []
     prec = Precision(precision, "cpu")
@@ -169,7 +169,7 @@ def test_second_stage_fp16_gradients_are_unscaled_once(run_cfg, tmp_path: Path) 
     """Two stages under fp16 + GradScaler: every optimizer step sees the true gradient (close to the
     fp32 run's at the same step), in stage 2 as in stage 1. Unscaling every stage's optimizer at each
     clipping (one scaler registered per stage) divides stage-2 gradients by the loss scale again."""
-    from kdrun.run import train_stages
+    from kdrun.app.run import train_stages
 
     args = ("objective=two_stage_logit", "student.dropout=0.0", "train.max_grad_norm=1000.0",
             "train.checkpoint_every_steps=1000")
@@ -195,9 +195,9 @@ def test_second_stage_fp16_gradients_are_unscaled_once(run_cfg, tmp_path: Path) 
 
 
 def test_scaler_state_is_checkpointed_and_restored(run_cfg, tmp_path: Path) -> None:
-    from kdrun.precision import Precision
-    from kdrun.run import train_stages
-    from kdrun.trainer import SimulatedInterrupt
+    from kdrun.app.run import train_stages
+    from kdrun.engine.trainer import SimulatedInterrupt
+    from kdrun.runtime.precision import Precision
 
     session, parts = session_parts(run_cfg("objective=logit", "train.stop_after_steps=3",
                                            "train.checkpoint_every_steps=3"), tmp_path / "run")

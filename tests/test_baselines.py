@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kdrun.baselines import (
+from kdrun.report.cli import report
+from kdrun.report.significance import min_detectable_effect, min_seeds_for_sign_flip, min_sign_flip_p, task_spread
+from kdrun.tasks.baselines import (
     MAJORITY,
     MEAN,
     QA_REASON,
@@ -19,8 +21,6 @@ from kdrun.baselines import (
     run_baseline,
     within_noise,
 )
-from kdrun.report import report
-from kdrun.significance import min_detectable_effect, min_seeds_for_sign_flip, min_sign_flip_p, task_spread
 from tests.test_report import write_run
 
 # ------------------------------------------------------------------------------ the baseline itself
@@ -81,7 +81,7 @@ def _summary(teacher: float, student: float, baseline: dict | None) -> dict:
 
 
 def test_printed_table_has_the_baseline_and_warns_near_it(capsys) -> None:
-    from kdrun.run import _print_table
+    from kdrun.app.run import _print_table
 
     base = constant_baseline(["accuracy"], False, [0, 0, 1], {"validation": [0] * 32 + [1] * 32})
     summary = _summary(0.9, 0.6, base)
@@ -97,8 +97,8 @@ def test_printed_table_has_the_baseline_and_warns_near_it(capsys) -> None:
 
 
 def test_tiny_run_records_the_majority_class_baseline(run_cfg, tmp_path: Path, capsys) -> None:
-    from kdrun.data.toy import make_toy_splits, toy_label
-    from kdrun.run import run
+    from kdrun.app.run import run
+    from kdrun.tasks.data.toy import make_toy_splits, toy_label
 
     cfg = run_cfg("objective=logit", "task.toy.num_train=161", "task.toy.num_validation=65",
                   "task.metrics=[accuracy,f1,matthews_correlation]")
@@ -189,7 +189,7 @@ def test_smallest_sign_flip_p_and_the_seeds_it_needs() -> None:
 
 
 def test_task_spread_pools_the_paired_differences() -> None:
-    from kdrun.significance import Comparison
+    from kdrun.report.significance import Comparison
 
     a = Comparison(("s", "finetune"), [1, 2, 3], [0.01, 0.03, 0.05], None, None, True)  # variance 4e-4, 2 dof
     b = Comparison(("s", "finetune"), [1, 2], [0.0, 0.02], None, None, True)  # variance 2e-4, 1 dof

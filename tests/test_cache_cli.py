@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from kdrun.cache import COMPLETE_MARKER, write_manifest
-from kdrun.cache_cli import main, parse_age
+from kdrun.runtime.cache import COMPLETE_MARKER, write_manifest
+from kdrun.runtime.cache_cli import main, parse_age
 
 DAY = 86400
 

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from kdrun.features import Features
 from kdrun.losses import get_loss
 from kdrun.losses.registry import LossContext
 from kdrun.losses.relations import angle_loss, angle_matrix, pair_loss, pair_relation
+from kdrun.models.features import Features
 from tests.conftest import TINY, compose, load_script
 
 LOSSES = ["mse", "l1", "huber", "kl"]
@@ -442,7 +442,7 @@ def test_bad_settings_fail_clearly(name, params, layer_pairs, match) -> None:
 # ------------------------------------------------------------------------------------- presets
 
 def test_objective_weights_and_switches() -> None:
-    from kdrun.objective import plan_stages
+    from kdrun.engine.objective import plan_stages
 
     def weights(*overrides):
         cfg = compose(["objective=ckd", *overrides])
@@ -470,7 +470,7 @@ OFFICIAL = {"cola": (.7, 3, 1, 10, 5e-5, 4), "sst2": (.9, 4, 100, 1000, 4e-5, 4)
 
 @pytest.mark.parametrize("task", sorted(OFFICIAL))
 def test_presets_are_the_authors_training(task) -> None:
-    from kdrun.objective import plan_stages
+    from kdrun.engine.objective import plan_stages
 
     cfg = compose([f"experiment=ckd_{task}"])
     alpha, temp, wr_dist, wr_angle, lr, epochs = OFFICIAL[task]
@@ -517,7 +517,7 @@ def _logged_keys(run_dir: Path) -> set[str]:
 
 
 def _run(tmp_path: Path, cache: Path, *overrides: str) -> tuple[dict, set[str]]:
-    from kdrun.run import run
+    from kdrun.app.run import run
 
     out = run(compose([*TINY, *SMALL, f"cache_dir={cache}", *overrides]), tmp_path)
     return out, _logged_keys(tmp_path)

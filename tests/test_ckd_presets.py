@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kdrun import trainer as TR
-from kdrun.checkpoints import TrainState
+from kdrun.engine import trainer as TR
+from kdrun.engine.checkpoints import TrainState
 from kdrun.errors import ConfigError
 from tests.conftest import REPO, compose
 
@@ -37,7 +37,7 @@ def test_every_ckd_preset_is_listed() -> None:
 
 @pytest.mark.parametrize("task", sorted(AUTHORS))
 def test_preset_composes_with_the_authors_training_loop(task: str) -> None:
-    from kdrun.objective import plan_stages
+    from kdrun.engine.objective import plan_stages
 
     cfg = compose([f"experiment=ckd_{task}"])
     every, metric, splits = AUTHORS[task]
@@ -133,7 +133,7 @@ def test_the_floor_of_a_loss_is_an_upper_bound(monkeypatch) -> None:
 
 def test_run_passes_the_selection_keys_to_the_trainer(tmp_path: Path) -> None:
     """A tiny real run with both keys: the kept student's selection value is the floor-passing sum."""
-    from kdrun.run import run
+    from kdrun.app.run import run
     from tests.conftest import TINY, TOY
 
     res = run(compose([*TINY, *TOY, f"cache_dir={tmp_path / 'cache'}", "objective=finetune", "train.epochs=3",

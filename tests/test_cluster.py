@@ -82,7 +82,7 @@ def test_signal_during_teacher_fine_tuning_resumes_it_exactly(tmp_path: Path) ->
 
 _REGISTERED = """
 import sys, time
-from kdrun.threads import register_run
+from kdrun.runtime.threads import register_run
 register_run()
 print("registered", flush=True)
 time.sleep(60)
@@ -90,7 +90,7 @@ time.sleep(60)
 
 
 def test_live_runs_are_counted_and_threads_chosen(tmp_path: Path, monkeypatch) -> None:
-    from kdrun import threads as TH
+    from kdrun.runtime import threads as TH
 
     monkeypatch.setattr(TH.tempfile, "gettempdir", lambda: str(tmp_path))
     env = {**os.environ, "TMPDIR": str(tmp_path)}
@@ -120,13 +120,13 @@ def test_live_runs_are_counted_and_threads_chosen(tmp_path: Path, monkeypatch) -
 def test_a_run_in_a_longer_process_counts_only_while_it_runs(run_cfg, tmp_path: Path, monkeypatch) -> None:
     """run() called from a notebook or pytest counts as a live run while it runs, not for the rest of the
     process: it used to stay registered, so every later kdrun command on the machine took half the cores."""
-    from kdrun import threads as TH
-    from kdrun.run import run
+    from kdrun.app.run import run
+    from kdrun.runtime import threads as TH
 
     monkeypatch.setattr(TH.tempfile, "gettempdir", lambda: str(tmp_path))
     monkeypatch.setattr(TH, "_REGISTRATION", {})
     seen = []
-    monkeypatch.setattr("kdrun.run.preflight", lambda cfg: seen.append(TH.live_runs()) or 1 / 0)
+    monkeypatch.setattr("kdrun.app.run.preflight", lambda cfg: seen.append(TH.live_runs()) or 1 / 0)
     with pytest.raises(ZeroDivisionError):
         run(run_cfg(), tmp_path / "r")
     assert seen == [1] and TH.live_runs() == 1 and not list(TH.registry_dir().glob("*.lock"))
@@ -141,8 +141,8 @@ def test_num_threads_is_no_part_of_a_runs_identity(run_cfg, tmp_path: Path) -> N
     """A requeued job on a node with other cores resumes its checkpoints and lands in the same directory."""
     from omegaconf import OmegaConf
 
+    from kdrun.app.run import run_config_hash
     from kdrun.config import sweep_name
-    from kdrun.run import run_config_hash
 
     a = OmegaConf.to_container(run_cfg(), resolve=True)
     b = OmegaConf.to_container(run_cfg("train.num_threads=1"), resolve=True)
@@ -204,7 +204,7 @@ def test_slurm_array_completes_reports_and_a_rerun_submits_nothing(tmp_path: Pat
     assert len(results) == 2
     jobs = sbatch_jobs(tmp_path)
     assert len({j for j in jobs if "_" in j}) == 2 and len({j.split("_")[0] for j in jobs}) == 1  # one array
-    from kdrun.report import collect
+    from kdrun.report.cli import collect
 
     runs, problems = collect([tmp_path / "outputs" / "multirun"])
     assert sorted(r.objective for r in runs) == ["finetune", "logit"] and problems == []

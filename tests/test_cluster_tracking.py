@@ -1,5 +1,5 @@
-"""What a cluster node meets: the hub behind HF_ENDPOINT or a proxy (kdrun.models._hub_reachable),
-wandb run ids across resumes and fresh starts (kdrun.tracking), and SQuAD's hub id.
+"""What a cluster node meets: the hub behind HF_ENDPOINT or a proxy (kdrun.models.loading.hub_reachable),
+wandb run ids across resumes and fresh starts (kdrun.runtime.tracking), and SQuAD's hub id.
 
 Every server here listens on 127.0.0.1 and answers at once; requests time out after seconds.
 """
@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from kdrun import models as M
-from kdrun.tracking import MAX_WANDB_ID, WANDB_ID_FILE, new_wandb_id, wandb_run_id
+from kdrun.models import loading as M
+from kdrun.runtime.tracking import MAX_WANDB_ID, WANDB_ID_FILE, new_wandb_id, wandb_run_id
 
 PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY",
               "http_proxy", "https_proxy", "all_proxy", "no_proxy")
@@ -101,7 +101,7 @@ def online(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
 
 def timed_reachable() -> tuple[bool, float]:
     t = time.perf_counter()
-    answer = M._hub_reachable()
+    answer = M.hub_reachable()
     return answer, time.perf_counter() - t
 
 
@@ -112,20 +112,20 @@ def test_hub_endpoint_from_hf_endpoint_is_asked_through_huggingface_hub(online, 
     ((method, path, headers),) = hub.seen
     assert (method, path) == ("HEAD", "/")
     assert "X-Amzn-Trace-Id" in headers  # set by huggingface_hub's request hook: its session was used
-    assert M._hub_reachable() is True and len(hub.seen) == 1  # cached for the endpoint
+    assert M.hub_reachable() is True and len(hub.seen) == 1  # cached for the endpoint
     other = server()
     online.setenv("HF_ENDPOINT", other.url)
-    assert M._hub_reachable() is True and len(other.seen) == 1  # another endpoint is asked itself
+    assert M.hub_reachable() is True and len(other.seen) == 1  # another endpoint is asked itself
 
 
 def test_a_hub_answering_with_an_error_page_is_still_reachable(online, server) -> None:
     hub = server(status=404)  # a mirror without a page at its root
     online.setenv("HF_ENDPOINT", hub.url)
-    assert M._hub_reachable() is True
+    assert M.hub_reachable() is True
 
 
 def test_unreachable_endpoint_fails_fast_with_the_clear_message(online) -> None:
-    from kdrun.data.sources import DataError, check_task_data
+    from kdrun.tasks.data.sources import DataError, check_task_data
 
     online.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
     answer, seconds = timed_reachable()
@@ -142,7 +142,7 @@ def test_offline_mode_never_asks(online, server) -> None:
     hub = server()
     online.setenv("HF_ENDPOINT", hub.url)
     online.setenv("HF_HUB_OFFLINE", "1")
-    assert M._hub_reachable() is False and hub.seen == []
+    assert M.hub_reachable() is False and hub.seen == []
     with pytest.raises(M.ModelUnavailableError, match="HF_HUB_OFFLINE=1 is set"):
         M.resolve_reference("kdrun-test/not-a-model")
 
@@ -153,7 +153,7 @@ def test_http_proxy_is_honoured(online, server) -> None:
     endpoint = f"http://127.0.0.1:{closed_port()}"
     online.setenv("HF_ENDPOINT", endpoint)
     online.setenv("HTTP_PROXY", proxy.url)
-    assert M._hub_reachable() is True
+    assert M.hub_reachable() is True
     assert [(m, p) for m, p, _ in proxy.seen] == [("HEAD", f"{endpoint}/")]  # absolute form: a proxy request
 
 
@@ -161,7 +161,7 @@ def test_proxy_that_cannot_reach_the_hub_means_unreachable(online, server) -> No
     proxy = server(status=502)
     online.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
     online.setenv("HTTP_PROXY", proxy.url)
-    assert M._hub_reachable() is False and len(proxy.seen) == 1
+    assert M.hub_reachable() is False and len(proxy.seen) == 1
 
 
 def test_https_proxy_is_honoured(online, server) -> None:
@@ -169,7 +169,7 @@ def test_https_proxy_is_honoured(online, server) -> None:
     port = closed_port()
     online.setenv("HF_ENDPOINT", f"https://127.0.0.1:{port}")
     online.setenv("HTTPS_PROXY", proxy.url)
-    assert M._hub_reachable() is False
+    assert M.hub_reachable() is False
     assert [(m, p) for m, p, _ in proxy.seen] == [("CONNECT", f"127.0.0.1:{port}")]
 
 
@@ -178,7 +178,7 @@ def test_no_proxy_bypasses_the_proxy(online, server) -> None:
     online.setenv("HF_ENDPOINT", hub.url)
     online.setenv("HTTP_PROXY", proxy.url)
     online.setenv("NO_PROXY", "127.0.0.1")
-    assert M._hub_reachable() is True and proxy.seen == [] and len(hub.seen) == 1
+    assert M.hub_reachable() is True and proxy.seen == [] and len(hub.seen) == 1
 
 
 # ---------------------------------------------------------------------------------------- wandb ids
@@ -226,8 +226,8 @@ FAST = ["objective=finetune", "logger=wandb", "train.epochs=1", "train.checkpoin
 
 
 def test_resume_keeps_the_wandb_run_and_a_fresh_start_gets_a_new_one(run_cfg, tmp_path: Path, inits) -> None:
-    from kdrun.run import run
-    from kdrun.trainer import SimulatedInterrupt
+    from kdrun.app.run import run
+    from kdrun.engine.trainer import SimulatedInterrupt
 
     rd = tmp_path / "run"
     with pytest.raises(SimulatedInterrupt):
@@ -244,7 +244,7 @@ def test_resume_keeps_the_wandb_run_and_a_fresh_start_gets_a_new_one(run_cfg, tm
 
 
 def test_odd_run_name_works_and_config_has_no_private_keys(run_cfg, tmp_path: Path, inits) -> None:
-    from kdrun.run import run, run_config_hash
+    from kdrun.app.run import run, run_config_hash
 
     name = "a:b;c,d#e?f/g'h"
     cfg = run_cfg(*FAST, f"run_name=\"{name}\"")
@@ -284,7 +284,7 @@ def test_wandb_pin_admits_the_reinit_mode_the_tracker_uses() -> None:
 # ---------------------------------------------------------------------------------------- SQuAD id
 
 def test_squad_defaults_to_the_current_hub_id() -> None:
-    from kdrun.qa.squad import HUB_DATASET
+    from kdrun.tasks.qa.squad import HUB_DATASET
     from tests.conftest import compose
 
     assert HUB_DATASET == "rajpurkar/squad"
@@ -299,8 +299,8 @@ def test_squad_defaults_to_the_current_hub_id() -> None:
 def test_legacy_squad_id_is_accepted(monkeypatch: pytest.MonkeyPatch, given: str, works: set, asked: list) -> None:
     import datasets
 
-    from kdrun.data import sources
-    from kdrun.qa.squad import load_qa_data
+    from kdrun.tasks.data import sources
+    from kdrun.tasks.qa.squad import load_qa_data
 
     rows = [{"id": f"q{i}", "title": f"t{i}", "context": "The cat sat.", "question": "Who sat?",
              "answers": {"text": ["The cat"], "answer_start": [0]}} for i in range(4)]
@@ -319,9 +319,9 @@ def test_legacy_squad_id_is_accepted(monkeypatch: pytest.MonkeyPatch, given: str
 
 
 def test_legacy_squad_id_failing_names_both_ids(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kdrun.data import sources
-    from kdrun.data.sources import DataError
-    from kdrun.qa.squad import load_qa_data
+    from kdrun.tasks.data import sources
+    from kdrun.tasks.data.sources import DataError
+    from kdrun.tasks.qa.squad import load_qa_data
 
     def load_dataset(name, config=None):
         raise FileNotFoundError(f"no {name}")

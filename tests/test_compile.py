@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 
 def test_compiled_run_equals_uncompiled(run_cfg, tmp_path: Path) -> None:
-    from kdrun.run import run
+    from kdrun.app.run import run
 
     args = ("objective=minilmv2", "objective.params.relation_heads=4", "student.dropout=0.0", "train.epochs=1")
     plain = run(run_cfg(*args), tmp_path / "plain")
@@ -26,7 +26,7 @@ def test_compiled_run_equals_uncompiled(run_cfg, tmp_path: Path) -> None:
 
 
 def test_compiled_model_keeps_one_set_of_hooks() -> None:
-    from kdrun.features import extract_features
+    from kdrun.models.features import extract_features
     from tests.test_layer_kd import batch, tiny_bert
 
     model = tiny_bert()

@@ -109,15 +109,15 @@ def test_hub_only_model_offline_fails_fast(tmp_path: Path) -> None:
     assert elapsed < 30  # process start-up included; the hub is never contacted
 
 
-# Runs kdrun with run.data_fingerprint (called once the data are loaded) replaced by a bug.
+# Runs kdrun with data_fingerprint (called once the data are loaded) replaced by a bug.
 _BROKEN_RUN = """
 import sys
-import kdrun.run
+import kdrun.tasks.data.common
 
 def data_fingerprint(dsd):
     raise {exc}("an internal bug")
 
-kdrun.run.data_fingerprint = data_fingerprint
+kdrun.tasks.data.common.data_fingerprint = data_fingerprint
 from kdrun.cli import main
 
 sys.argv = ["kdrun", *sys.argv[1:]]

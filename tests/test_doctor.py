@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdrun import doctor
+from kdrun.app import doctor
 from tests.conftest import REPO
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -29,7 +29,7 @@ def labelled_objectives() -> list[str]:
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path_factory.mktemp("doctor") / "d.json"
-    proc = subprocess.run([sys.executable, "-m", "kdrun.doctor", "--quick", "--out", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "kdrun.app.doctor", "--quick", "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert out.exists(), proc.stdout + proc.stderr
     return proc, json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""DynaBERT (kdrun/dynabert): depth rule, rewiring, sub-networks vs exported models, one adaptive
+"""DynaBERT (kdrun/strategies/dynabert): depth rule, rewiring, sub-networks vs exported models, one adaptive
 step's gradients vs a naive sum over separately built sub-models, parameter and FLOPs counts,
 config errors, and one tiny run through the CLI with the export round trip."""
 
@@ -17,10 +17,11 @@ import torch
 from torch import nn
 from transformers import BertConfig, BertForSequenceClassification
 
-from kdrun.dynabert.export import export_subnetwork, standard_heads
-from kdrun.dynabert.export import main as export_main
-from kdrun.dynabert.rewire import importance, rewire
-from kdrun.dynabert.subnet import (
+from kdrun.errors import ConfigError
+from kdrun.strategies.dynabert.export import export_subnetwork, standard_heads
+from kdrun.strategies.dynabert.export import main as export_main
+from kdrun.strategies.dynabert.rewire import importance, rewire
+from kdrun.strategies.dynabert.subnet import (
     Shape,
     count_flops,
     count_params,
@@ -31,7 +32,6 @@ from kdrun.dynabert.subnet import (
     subnet_pairs,
     subnetwork,
 )
-from kdrun.errors import ConfigError
 from tests.conftest import REPO, TINY, compose, load_script
 
 VOCAB = 60
@@ -188,8 +188,8 @@ def _masked_forward(model: nn.Module, b: dict, width: float, hidden: bool = True
 def _naive_loss(plan, s_out, t_out, keep: list[int], b: dict) -> torch.Tensor:
     """The stage's weighted terms on the sub-network's hidden states against the teacher's at the kept
     layers' own positions (embeddings with embeddings)."""
-    from kdrun.features import Features
     from kdrun.losses import LossContext
+    from kdrun.models.features import Features
 
     th = (t_out.hidden_states[0],) + tuple(t_out.hidden_states[d + 1] for d in keep)
     s = Features(logits=s_out.logits, attention_mask=b["attention_mask"], hidden_states=tuple(s_out.hidden_states))
@@ -200,12 +200,12 @@ def _naive_loss(plan, s_out, t_out, keep: list[int], b: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize("objective,phase", [("dynabert_ckd", 0), ("dynabert", 1)])
 def test_adaptive_step_equals_sum_of_separate_subnetworks(objective: str, phase: int) -> None:
-    from kdrun.dynabert.train import AdaptiveStage
-    from kdrun.mapping import MappingSpec
-    from kdrun.models import describe
-    from kdrun.objective import Objective, plan_stages
-    from kdrun.precision import make_kd_accelerator
-    from kdrun.trainer import FiniteWatch, train_step
+    from kdrun.engine.objective import Objective, plan_stages
+    from kdrun.engine.trainer import FiniteWatch, train_step
+    from kdrun.models.loading import describe
+    from kdrun.models.mapping import MappingSpec
+    from kdrun.runtime.precision import make_kd_accelerator
+    from kdrun.strategies.dynabert.train import AdaptiveStage
 
     cfg = compose([f"objective={objective}", "objective.params.widths=[1.0,0.75,0.5,0.25]",
                    "objective.params.depths=[1.0,0.75,0.5]", "objective.params.window_pair=3",
@@ -307,7 +307,7 @@ def test_counts_match_the_model(width: float, depth: float) -> None:
     ("objective.params.importance_samples=0", "objective.stages[0].adaptive.importance_samples"),
 ])
 def test_config_errors_name_the_key(override: str, key: str) -> None:
-    from kdrun.preflight import preflight
+    from kdrun.app.preflight import preflight
 
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
         preflight(compose([*TINY, "objective=dynabert_ckd", override]))
@@ -362,7 +362,7 @@ def test_cli_run_prints_the_table_and_exports(tmp_path: Path) -> None:
     runs = script.load([f"a={run_dir}", f"b={run_dir}"])
     md = script.table(runs, markdown=True).splitlines()
     assert len(md) == 2 + len(rows) and "a accuracy" in md[0] and "b f1" in md[0]
-    from kdrun.dynabert.results import plot_subnetworks
+    from kdrun.strategies.dynabert.results import plot_subnetworks
 
     assert plot_subnetworks({k: v["subnetworks"] for k, v in runs.items()}, tmp_path / "p.png",
                             metrics=["accuracy", "f1"]).exists()
@@ -373,8 +373,8 @@ def test_interrupted_run_resumes_with_the_same_phase3_teacher(run_cfg, tmp_path:
     one: the resumed stage distils from the saved phase-2 model, not from the restored student."""
     from safetensors.torch import load_file
 
-    from kdrun.run import run
-    from kdrun.trainer import SimulatedInterrupt
+    from kdrun.app.run import run
+    from kdrun.engine.trainer import SimulatedInterrupt
 
     args = ["task.toy.num_train=48", "task.toy.num_validation=24", "objective=dynabert", "student=truncated",
             "student.num_layers=4", "objective.params.widths=[1.0,0.5]", "objective.params.depths=[1.0,0.5]",

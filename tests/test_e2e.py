@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdrun.run import run
-from kdrun.trainer import SimulatedInterrupt, TrainingDiverged
+from kdrun.app.run import run
+from kdrun.engine.trainer import SimulatedInterrupt, TrainingDiverged
 
 TWO_STAGES = [
     "objective=logit",
@@ -44,12 +44,12 @@ def test_two_stage_run_writes_all_outputs(run_cfg, tmp_path: Path) -> None:
     model = AutoModelForSequenceClassification.from_pretrained(run_dir / "student")
     assert model.config.num_hidden_layers == 2
     # the saved student reproduces the reported dev metric
-    from kdrun.data.pipeline import Collator, tokenize_splits
-    from kdrun.data.sources import load_task_data
-    from kdrun.metrics import compute_task_metrics
-    from kdrun.models import load_tokenizer
-    from kdrun.run import make_accelerator
-    from kdrun.trainer import predict
+    from kdrun.app.run import make_accelerator
+    from kdrun.engine.trainer import predict
+    from kdrun.models.loading import load_tokenizer
+    from kdrun.tasks.data.pipeline import Collator, tokenize_splits
+    from kdrun.tasks.data.sources import load_task_data
+    from kdrun.tasks.metrics import compute_task_metrics
 
     cfg = run_cfg(*TWO_STAGES)
     tok = load_tokenizer(str(run_dir / "student"))

@@ -1,4 +1,4 @@
-"""Model families (kdrun/adaptors.py): the features record, truncation and describe() of tiny random
+"""Model families (kdrun/models/adaptors.py): the features record, truncation and describe() of tiny random
 BERT, RoBERTa, DistilBERT, ELECTRA and DeBERTa-v2 models, token types only where a family takes them,
 refusals naming the family, and distillation runs with a BERT teacher and a student of each family."""
 
@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kdrun import models as M
-from kdrun.adaptors import ADAPTORS, check_features, get_adaptor
-from kdrun.features import extract_features, model_inputs
-from kdrun.objective import plan_stages
+from kdrun.engine.objective import plan_stages
+from kdrun.models import loading as M
+from kdrun.models.adaptors import ADAPTORS, check_features, get_adaptor
+from kdrun.models.features import extract_features, model_inputs
 from tests.conftest import compose
 
 FAMILIES = ["bert", "roberta", "distilbert", "electra", "deberta-v2"]
@@ -82,9 +82,9 @@ def test_deberta_scores_hold_the_disentangled_terms_and_hooks_stay_registered_on
     assert all(len(getattr(attn, n)._forward_hooks) == 1 for n in ADAPTORS["deberta-v2"].projections)
     # the same logits without capturing anything, and nothing kept from that pass
     assert torch.allclose(extract_features(model, b, frozenset({"logits"})).logits, f.logits, atol=1e-6)
-    from kdrun.features import _capture_of
+    from kdrun.models.features import capture_of
 
-    assert all(x is None for w in ("q", "k", "v") for x in _capture_of(model).store[w])
+    assert all(x is None for w in ("q", "k", "v") for x in capture_of(model).store[w])
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if ADAPTORS[f].sdpa])
@@ -167,7 +167,7 @@ def test_unknown_families_are_refused_by_name() -> None:
 
 
 def test_preflight_refuses_an_unknown_family(run_cfg) -> None:
-    from kdrun.run import ConfigError, preflight
+    from kdrun.app.run import ConfigError, preflight
 
     with pytest.raises(ConfigError, match="student.family='albert' must be one of bert, roberta"):
         preflight(run_cfg("student.family=albert"))
@@ -189,7 +189,7 @@ def shared_cache(tmp_path_factory) -> Path:
 
 
 def _run(run_dir: Path, cache: Path, *overrides: str) -> dict:
-    from kdrun.run import run
+    from kdrun.app.run import run
 
     out = run(compose([*SMALL, f"cache_dir={cache}", *overrides]), run_dir)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

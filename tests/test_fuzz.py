@@ -67,7 +67,7 @@ def test_fuzz_damage_damages_and_classifies(tmp_path: Path) -> None:
 
 
 def test_a_manifest_with_a_damaged_byte_is_reported_not_raised(tmp_path: Path) -> None:
-    from kdrun.cache import COMPLETE_MARKER, entry_problem, write_manifest
+    from kdrun.runtime.cache import COMPLETE_MARKER, entry_problem, write_manifest
 
     (tmp_path / "a.txt").write_text("hello")
     write_manifest(tmp_path)
@@ -94,7 +94,7 @@ def test_fuzz_faults_fast(tmp_path: Path) -> None:
 def test_disk_full_errors_name_the_place(tmp_path: Path) -> None:
     import errno
 
-    from kdrun.runlog import disk_full
+    from kdrun.runtime.logs import disk_full
 
     places = {"output_dir": tmp_path / "run", "cache_dir": tmp_path / "cache"}
     err = disk_full(OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "x.pt")), places)

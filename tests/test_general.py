@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kdrun.data.common import DataError
+from kdrun.app.run import run
+from kdrun.engine.trainer import SimulatedInterrupt
 from kdrun.errors import ConfigError
-from kdrun.features import Features, extract_features
-from kdrun.general.data import CorpusCollator
-from kdrun.run import run
-from kdrun.trainer import SimulatedInterrupt
+from kdrun.models.features import Features, extract_features
+from kdrun.strategies.task_agnostic.data import CorpusCollator
+from kdrun.tasks.data.common import DataError
 
 WORDS = ("the cat sat on a mat while dogs ran through green fields under bright summer skies and birds sang "
          "songs of rivers mountains cities").split()
@@ -141,7 +141,7 @@ def test_no_masking_without_an_mlm_term() -> None:
 # ------------------------------------------------------------------------------------ preflight
 
 def test_label_terms_are_refused_on_a_corpus(run_cfg, corpus: Path, tmp_path: Path) -> None:
-    from kdrun.preflight import preflight
+    from kdrun.app.preflight import preflight
 
     with pytest.raises(ConfigError, match=r"terms \['ce', 'logit_kd'\] need gold labels or task logits.*ckd_general"):
         preflight(run_cfg(*corpus_args(corpus, "ckd"), toy=False))
@@ -159,14 +159,14 @@ def test_label_terms_are_refused_on_a_corpus(run_cfg, corpus: Path, tmp_path: Pa
                                             ("minilmv2_general", "minilmv2"), ("distilbert_general", "distilbert")])
 def test_label_free_objectives_are_refused_on_a_labelled_task(run_cfg, objective: str, twin: str) -> None:
     """On a GLUE-style task nothing would train the classifier: a random head's scores are refused."""
-    from kdrun.preflight import preflight
+    from kdrun.app.preflight import preflight
 
     with pytest.raises(ConfigError, match=rf"'{objective}' has no term that reads labels.*objective={twin}$"):
         preflight(run_cfg(f"objective={objective}"))
 
 
 def test_mlm_terms_are_refused_on_a_task_without_masking(run_cfg) -> None:
-    from kdrun.preflight import preflight
+    from kdrun.app.preflight import preflight
 
     with pytest.raises(ConfigError, match=r"terms \['mlm_kd'\].*only a corpus task.*task.kind=classification"):
         preflight(run_cfg("objective=mlm_ckd"))
@@ -277,7 +277,7 @@ def test_probe_fine_tunes_the_general_student_next_to_its_random_twin(run_cfg, c
 
     run(run_cfg(*corpus_args(corpus, "ckd_general"), toy=False), tmp_path / "g")
     out = tmp_path / "probe"
-    cmd = [sys.executable, "-m", "kdrun.general.probe", "probe", str(tmp_path / "g"), "--tasks", "toy", "--seeds", "1",
+    cmd = [sys.executable, "-m", "kdrun.strategies.task_agnostic.probe", "probe", str(tmp_path / "g"), "--tasks", "toy", "--seeds", "1",
            "--out", str(out), "task.toy.num_train=160", "task.toy.num_validation=64", "train.epochs=1",
            f"cache_dir={cache_dir}"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env_for(tmp_path), cwd=tmp_path, timeout=600)

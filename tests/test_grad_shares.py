@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kdrun.run import run
-from kdrun.trainer import grad_share_logs
+from kdrun.app.run import run
+from kdrun.engine.trainer import grad_share_logs
 from tests.conftest import compose, load_script
 
 # Two stages: one term alone (its share is 1), then three terms pulling on the same student.

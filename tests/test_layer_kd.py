@@ -14,10 +14,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kdrun.features import AttentionInputs, Features, extract_features
+from kdrun.engine.objective import Objective, plan_stages
 from kdrun.losses import LossContext, get_loss
-from kdrun.mapping import LayerMap, MappedPairs, Row, pairs_map
-from kdrun.objective import Objective, plan_stages
+from kdrun.models.features import AttentionInputs, Features, extract_features
+from kdrun.models.mapping import LayerMap, MappedPairs, Row, pairs_map
 from tests.conftest import TINY, assert_kept_best, compose, load_script, task_objectives
 
 # Every objective for labelled tasks but mgskd (it needs a chunker: tests/test_mgskd.py).
@@ -388,7 +388,7 @@ def test_zero_loss_when_student_is_a_copy_of_the_teacher(name, params) -> None:
 # ---------------------------------------------------------------------------------- objective
 
 def objective_for(*overrides, s=None, t=None):
-    from kdrun.mapping import MappingSpec
+    from kdrun.models.mapping import MappingSpec
 
     cfg = compose(list(overrides))
     s = s or {"layers": 2, "hidden": 32, "heads": 2}
@@ -487,7 +487,7 @@ def shared_cache(tmp_path_factory) -> Path:
 
 
 def _run(run_dir: Path, cache: Path, *overrides: str):
-    from kdrun.run import run
+    from kdrun.app.run import run
 
     out = run(compose([*TINY, *SMALL, f"cache_dir={cache}", *overrides]), run_dir)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

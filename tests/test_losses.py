@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from kdrun.features import Features
 from kdrun.losses import LossContext, check_params, get_loss
-from kdrun.mapping import build_layer_pairs, uniform
+from kdrun.models.features import Features
+from kdrun.models.mapping import build_layer_pairs, uniform
 
 
 def feats(logits, hidden=None, mask=None) -> Features:

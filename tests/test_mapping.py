@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from kdrun.mapping import LayerMap, MappingSpec, Row, build_rows, make_buckets
+from kdrun.models.mapping import LayerMap, MappingSpec, Row, build_rows, make_buckets
 from tests.conftest import compose
 
 DEPTHS = [(12, 4), (12, 6), (6, 2), (12, 8)]  # (teacher, student)
@@ -243,7 +243,7 @@ def test_mean_attention_and_concat_targets_by_hand() -> None:
 
 
 def test_mapping_typos_fail_before_any_model_loads(run_cfg) -> None:
-    from kdrun.run import ConfigError, preflight
+    from kdrun.app.run import ConfigError, preflight
 
     with pytest.raises(ConfigError, match="mapping.buckets='nope'"):
         preflight(run_cfg("mapping=mean", "mapping.buckets=nope"))

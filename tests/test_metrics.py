@@ -1,4 +1,4 @@
-"""Tests for kdrun.metrics and its offline evaluate module, against values computed by hand."""
+"""Tests for kdrun.tasks.metrics and its offline evaluate module, against values computed by hand."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kdrun.metrics as km
-from kdrun.metrics import (
+import kdrun.tasks.metrics as km
+from kdrun.tasks.metrics import (
     VALID_METRICS,
     compute_task_metrics,
     load_glue_metric,

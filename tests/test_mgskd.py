@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kdrun.features import Features
+from kdrun.engine.objective import plan_stages
 from kdrun.losses import get_loss
 from kdrun.losses.mgskd import MGSKDModule, salient_selection
 from kdrun.losses.registry import LossContext
-from kdrun.objective import plan_stages
+from kdrun.models.features import Features
 from tests.conftest import assert_kept_best, compose
 from tests.test_spans import write_corpus
 
@@ -372,7 +372,7 @@ def test_objective_config_defaults_and_switches() -> None:
 # ------------------------------------------------------------------------------------- end to end
 
 def test_two_stage_run_logs_each_granularity(run_cfg, tmp_path: Path) -> None:
-    from kdrun.run import run
+    from kdrun.app.run import run
 
     corpus = write_corpus(tmp_path / "conll")
     cfg = run_cfg("objective=mgskd", "objective.params.heads=8", "objective.params.structural_epochs=1",

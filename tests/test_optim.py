@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from kdrun.objective import StagePlan
-from kdrun.run import ConfigError, preflight
-from kdrun.trainer import make_optimizer, make_scheduler
+from kdrun.app.run import ConfigError, preflight
+from kdrun.engine.objective import StagePlan
+from kdrun.engine.trainer import make_optimizer, make_scheduler
 from tests.conftest import compose
 
 STAGE = {"name": "s", "lr": 1e-2, "weight_decay": 0.01, "warmup_ratio": 0.25, "objective_lr": None,

@@ -70,9 +70,9 @@ def test_bad_parameter_values_name_key_and_choices(name, params, match) -> None:
 
 
 def test_bad_objective_param_fails_before_data_or_models_load(tmp_path: Path, monkeypatch) -> None:
-    import kdrun.data.sources as sources
-    import kdrun.models as models
-    from kdrun.run import run
+    import kdrun.models.loading as models
+    import kdrun.tasks.data.sources as sources
+    from kdrun.app.run import run
 
     def loaded(*_a, **_k):
         raise AssertionError("data or a model was loaded before the parameters were checked")
@@ -89,7 +89,7 @@ def test_bad_objective_param_fails_before_data_or_models_load(tmp_path: Path, mo
 
 
 def test_objective_imports_load_a_plugin_module(tmp_path: Path, monkeypatch) -> None:
-    from kdrun.objective import plan_stages
+    from kdrun.engine.objective import plan_stages
 
     write_plugin(tmp_path, "kd_plug_a", "plug_a_square")
     monkeypatch.syspath_prepend(str(tmp_path))

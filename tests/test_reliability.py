@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from kdrun.cache import COMPLETE_MARKER, DAMAGED_DIR, get_or_build, load_or_build, write_text_atomic
-from kdrun.results import collect
-from kdrun.run import run
-from kdrun.runlock import RunDirBusy, run_dir_lock
+from kdrun.app.run import run
+from kdrun.report.results import collect
+from kdrun.runtime.cache import COMPLETE_MARKER, DAMAGED_DIR, get_or_build, load_or_build, write_text_atomic
+from kdrun.runtime.locks import RunDirBusy, run_dir_lock
 from tests.conftest import REPO, TINY, TOY
 from tests.test_sweeps import env_for
 
@@ -270,7 +270,7 @@ def test_duplicate_same_seed_runs_are_counted_once(tmp_path: Path) -> None:
     assert sorted((r.seed, r.value) for r in runs) == [(42, 0.64), (43, 0.70)]  # the newer seed-42 run kept
     assert [(p.status, p.path) for p in problems] == [("duplicate", tmp_path / "a" / "r1")]
     assert str(tmp_path / "b" / "r1") in problems[0].detail
-    r = subprocess.run([sys.executable, "-m", "kdrun.report", str(tmp_path), "--no-plots", "--out",
+    r = subprocess.run([sys.executable, "-m", "kdrun.report.cli", str(tmp_path), "--no-plots", "--out",
                         str(tmp_path / "rep")], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "1 duplicates counted once" in r.stdout and "n=2 seeds [42,43]" in r.stdout
@@ -293,7 +293,7 @@ def test_resumed_metrics_log_has_each_step_once(run_cfg, tmp_path: Path, every: 
     log is cut back to the checkpoint, so it equals an uninterrupted run's. With a log line every 4
     steps the checkpoint at 15 cuts the interval 13-16: its saved loss sums make step 16's means
     the uninterrupted run's."""
-    from kdrun.trainer import SimulatedInterrupt
+    from kdrun.engine.trainer import SimulatedInterrupt
     from tests.test_e2e import TWO_STAGES
 
     def records(run_dir: Path) -> list[dict]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kdrun.report import baseline_row, main, min_sign_flip_p, report, sign_flip_p
+from kdrun.report.cli import baseline_row, main, min_sign_flip_p, report, sign_flip_p
 
 
 def write_run(root: Path, name: str, task: str, objective: str, seed: int, value: float, metric: str = "accuracy",

@@ -93,7 +93,7 @@ def test_covers_every_glue_task_kdrun_knows() -> None:
 
 
 def test_default_seeds_allow_a_significant_sign_flip_test() -> None:
-    from kdrun.significance import min_seeds_for_sign_flip, min_sign_flip_p
+    from kdrun.report.significance import min_seeds_for_sign_flip, min_sign_flip_p
 
     args = load_script("reproduce_glue").parse_args(["--glue", "g"])
     n = len(args.seeds.split(","))
@@ -142,7 +142,7 @@ def test_teacher_trains_on_more_rows_and_is_shared_across_subsamples(tmp_path: P
     (same) fine-tunes a teacher on the student's own 40 rows, under another key."""
     import math
 
-    from kdrun.run import run
+    from kdrun.app.run import run
 
     def go(name: str, *extra: str) -> dict:
         return run(compose([*TEACHER_RUN, f"cache_dir={tmp_path / 'cache'}", *extra]), tmp_path / name)
@@ -161,8 +161,8 @@ def test_teacher_trains_on_more_rows_and_is_shared_across_subsamples(tmp_path: P
 
 
 def test_teachers_rows_contain_the_students() -> None:
-    from kdrun.data.sources import load_task_data
-    from kdrun.teacher import teacher_train_data
+    from kdrun.app.teacher import teacher_train_data
+    from kdrun.tasks.data.sources import load_task_data
 
     cfg = compose([*TEACHER_RUN, "task.max_train_samples=40", "task.teacher_max_train_samples=100"])
     student = load_task_data(cfg.task)["train"]["text_a"]
@@ -174,8 +174,8 @@ def test_teachers_rows_contain_the_students() -> None:
 
 
 def _tokenizer(cfg):
-    from kdrun import models as M
-    from kdrun.preflight import preflight
+    from kdrun.app.preflight import preflight
+    from kdrun.models import loading as M
 
     refs = preflight(cfg)["refs"]
     return M.load_tokenizer(next(refs[k] for k in ("teacher", "teacher_tokenizer", "student_tokenizer") if k in refs))
@@ -186,7 +186,7 @@ def _tokenizer(cfg):
 def test_teacher_train_limit(value, expected) -> None:
     from omegaconf import OmegaConf
 
-    from kdrun.teacher import teacher_train_limit
+    from kdrun.app.teacher import teacher_train_limit
 
     task = OmegaConf.create({"max_train_samples": 40, "teacher_max_train_samples": value})
     assert teacher_train_limit(task) == expected
@@ -196,8 +196,8 @@ def test_teacher_train_limit(value, expected) -> None:
 def test_teacher_train_limit_refuses_bad_values(value) -> None:
     from omegaconf import OmegaConf
 
+    from kdrun.app.teacher import teacher_train_limit
     from kdrun.errors import ConfigError
-    from kdrun.teacher import teacher_train_limit
 
     with pytest.raises(ConfigError, match="teacher_max_train_samples"):
         teacher_train_limit(OmegaConf.create({"max_train_samples": None, "teacher_max_train_samples": value}))

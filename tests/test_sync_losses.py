@@ -1,8 +1,8 @@
-"""No device→host synchronisation inside a loss term (kdrun/syncs.py).
+"""No device→host synchronisation inside a loss term (kdrun/runtime/syncs.py).
 
 The sync counter is checked on its own first; then every registered loss term, in each of the
 configurations below (maps, projections, reductions, windows, task kinds), is called and
-differentiated under :class:`~kdrun.syncs.SyncCounter` and must record nothing. The cases are built
+differentiated under :class:`~kdrun.runtime.syncs.SyncCounter` and must record nothing. The cases are built
 here from tiny random tensors and reused by tests/test_amp_losses.py.
 """
 
@@ -14,11 +14,11 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from kdrun.features import AttentionInputs, Features
 from kdrun.losses import LOSSES, LossContext, get_loss
 from kdrun.losses.registry import discover_losses
-from kdrun.mapping import LayerMap, MappedPairs, Row, pairs_map
-from kdrun.syncs import SyncCounter, host_section
+from kdrun.models.features import AttentionInputs, Features
+from kdrun.models.mapping import LayerMap, MappedPairs, Row, pairs_map
+from kdrun.runtime.syncs import SyncCounter, host_section
 
 B, N = 3, 6  # batch, tokens
 LS, LT = 3, 6  # student and teacher depths
@@ -61,7 +61,7 @@ def test_counter_names_the_kdrun_frame() -> None:
     lmap.target(0, lambda layer: torch.randn(2, 4), student_rep=torch.randn(2, 4))
     with SyncCounter() as c:
         lmap.log_values()  # reads the weights on the host: meant for log steps, inside host_section()
-    assert c.count == 1 and c.events[0][1].startswith("kdrun/mapping.py:") and "in log_values" in c.events[0][1]
+    assert c.count == 1 and c.events[0][1].startswith("kdrun/models/mapping.py:") and "in log_values" in c.events[0][1]
     with SyncCounter() as c:
         torch.randn(3).sum().item()
     assert c.count == 1 and "test_sync_losses.py" in c.events[0][1]  # no kdrun frame: the caller's

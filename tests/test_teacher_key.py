@@ -1,7 +1,7 @@
 """The teacher cache key: every setting that can change the fine-tuned teacher is in it, and every
 other setting provably stays out of the teacher's fine-tuning (issue 12, part 5).
 
-kdrun/teacher.py classifies every key of ``task``, ``teacher`` and ``train`` (and the rest of the
+kdrun/app/teacher.py classifies every key of ``task``, ``teacher`` and ``train`` (and the rest of the
 run's config). The tests here fail when a schema key is missing from that classification, when a
 keyed setting does not change the key, when an unkeyed one does, and (tiny real fine-tunes) when
 the run's train settings change the teacher's weights.
@@ -19,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 
 from kdrun import config as C
-from kdrun import teacher as T
+from kdrun.app import teacher as T
 from tests.conftest import TINY, TOY, compose
 
 REF, DATA, TOK, PREC = "random", "d" * 16, "t" * 16, "no"
@@ -50,8 +50,8 @@ def _check_partition(schema, *tables: dict) -> None:
     unclassified = fields(schema) - set().union(*names)
     assert not unclassified, (
         f"{schema.__name__} keys {sorted(unclassified)} are not classified for the teacher cache: add each to "
-        "the key or keep it from reaching the teacher's fine-tuning, and list it in kdrun/teacher.py")
-    assert not set().union(*names) - fields(schema), "kdrun/teacher.py classifies keys the schema no longer has"
+        "the key or keep it from reaching the teacher's fine-tuning, and list it in kdrun/app/teacher.py")
+    assert not set().union(*names) - fields(schema), "kdrun/app/teacher.py classifies keys the schema no longer has"
 
 
 def test_every_train_key_is_classified() -> None:
@@ -168,8 +168,8 @@ def test_model_reference_and_tokenizer_are_keyed(tmp_path: Path) -> None:
 
 
 def _data_hash(cfg) -> str:
-    from kdrun.data.sources import load_task_data
-    from kdrun.run import data_fingerprint
+    from kdrun.tasks.data.common import data_fingerprint
+    from kdrun.tasks.data.sources import load_task_data
 
     return data_fingerprint(load_task_data(cfg.task))
 
@@ -235,6 +235,7 @@ NOT_IN_KEY_CHANGES = {
     "task.mlm_probability": 0.2,
     "task.selection_splits": ["validation"],
     "task.selection_threshold": 0.5,
+    "task.imports": ["kdrun.tasks.classification"],
     "teacher.name": "renamed",
     "teacher.checkpoint": "/some/teacher",
     "teacher.store": "off",
@@ -324,7 +325,7 @@ def test_defaults_train_the_teacher_as_before() -> None:
 
 
 def test_teacher_accelerator_isolates_accumulation_and_loss_scale() -> None:
-    from kdrun.precision import Precision
+    from kdrun.runtime.precision import Precision
 
     run_precision = Precision("fp16", "cpu")
     run_precision.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -368,8 +369,8 @@ def _fine_tune(cache: Path, run_dir: Path, *overrides: str) -> tuple[str, dict, 
 
     from safetensors.torch import load_file
 
-    from kdrun.run import run
-    from kdrun.trainer import SimulatedInterrupt
+    from kdrun.app.run import run
+    from kdrun.engine.trainer import SimulatedInterrupt
 
     with pytest.raises(SimulatedInterrupt):
         run(compose([*TINY, *TOY, f"cache_dir={cache}", *REAL_BASE, *overrides]), run_dir)

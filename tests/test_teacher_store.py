@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kdrun.run import run
+from kdrun.app.run import run
 from tests.conftest import TINY, TOY, compose
 
 # tinybert's stages read hidden states, attention scores (from Q and K) and logits
@@ -49,10 +49,10 @@ def test_store_run_gives_the_live_teachers_student(run_cfg, cache_dir: Path, tmp
 
 def test_stored_features_equal_the_live_teachers(run_cfg, cache_dir: Path, tmp_path: Path) -> None:
     """Naive twin: the teacher run live on a padded batch, against the store gathered for that batch."""
-    from kdrun.data.pipeline import make_loader
-    from kdrun.features import extract_features
-    from kdrun.models import load_classifier
-    from kdrun.teacher_store import StoreCollator, StoreReader
+    from kdrun.engine.teacher_store import StoreCollator, StoreReader
+    from kdrun.models.features import extract_features
+    from kdrun.models.loading import load_classifier
+    from kdrun.tasks.data.pipeline import make_loader
 
     quiet_run(run_cfg(*TINYBERT, "teacher.store=on", "teacher.store_dtype=fp32"), tmp_path / "r")
     entry = next(e for e in entries(cache_dir) if "qkv" in StoreReader(e).meta["kinds"])
@@ -60,9 +60,9 @@ def test_stored_features_equal_the_live_teachers(run_cfg, cache_dir: Path, tmp_p
     assert {"hidden_states", "qkv"} <= set(reader.meta["kinds"]) and reader.meta["dtype"] == "float32"
     teacher_dir = str(next((cache_dir / "teachers").glob("*/model")))
     teacher = load_classifier(teacher_dir, 2).eval()
-    from kdrun.data.pipeline import Collator, tokenize_splits
-    from kdrun.data.sources import load_task_data
-    from kdrun.models import load_tokenizer
+    from kdrun.models.loading import load_tokenizer
+    from kdrun.tasks.data.pipeline import Collator, tokenize_splits
+    from kdrun.tasks.data.sources import load_task_data
 
     cfg = run_cfg(*TINYBERT)
     tok = load_tokenizer(teacher_dir)
@@ -99,7 +99,7 @@ def test_sweep_builds_once_and_a_damaged_entry_is_rebuilt(run_cfg, cache_dir: Pa
 
 
 def StoreReader_meta(entry: Path) -> dict:
-    from kdrun.teacher_store import StoreReader
+    from kdrun.engine.teacher_store import StoreReader
 
     return StoreReader(entry).meta
 
@@ -113,7 +113,7 @@ def test_size_cap_and_off_run_the_teacher_live(run_cfg, cache_dir: Path, tmp_pat
 def test_what_cannot_be_stored_says_why() -> None:
     from transformers import BertConfig, BertModel
 
-    from kdrun.teacher_store import why_not_storable
+    from kdrun.engine.teacher_store import why_not_storable
 
     bert = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                 intermediate_size=16))
@@ -125,7 +125,7 @@ def test_what_cannot_be_stored_says_why() -> None:
 
 def test_gather_pads_rows_like_a_naive_loop(tmp_path: Path) -> None:
     """The vectorised gather against slicing each row out of the flat arrays by hand."""
-    from kdrun.teacher_store import StoreReader
+    from kdrun.engine.teacher_store import StoreReader
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 9, size=12)
@@ -150,8 +150,8 @@ def test_gather_pads_rows_like_a_naive_loop(tmp_path: Path) -> None:
 
 
 def test_store_settings_are_checked_at_compose_time() -> None:
+    from kdrun.app.preflight import _check_store
     from kdrun.errors import ConfigError
-    from kdrun.preflight import _check_store
 
     cfg = compose([*TINY, *TOY, "teacher.store=sometimes"])
     with pytest.raises(ConfigError, match="teacher.store='sometimes' must be one of auto, on, off"):

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kdrun.features import Features, fp32
 from kdrun.losses.registry import LossContext, Params, param, positive, register_loss
 from kdrun.losses.relations import LOSSES, PHIS, REDUCTIONS, angle_loss, pair_loss
+from kdrun.models.features import Features, fp32
 
 # ------------------------------------------------------------------------------------- parameters
 

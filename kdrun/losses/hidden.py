@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kdrun.features import Features, fp32
 from kdrun.losses.registry import LossContext, NoParams, register_loss
+from kdrun.models.features import Features, fp32
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

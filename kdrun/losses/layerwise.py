@@ -14,7 +14,7 @@ Terms (as described by Passban et al. 2021 and Jassani, Dankar & Kumar):
   the bucket's layers).
 
 Which teacher layers each student layer learns from is the mapping's business
-(:mod:`kdrun.mapping`); the terms ask ``ctx.layer_map`` for each row's target. ``pkd_patience``,
+(:mod:`kdrun.models.mapping`); the terms ask ``ctx.layer_map`` for each row's target. ``pkd_patience``,
 ``alp`` and ``comb`` match transformer layers only and, by default, leave the student's last layer
 unmatched (``match_last: false``, as PKD and ALP-KD: the logits already cover it). They also name
 the map their paper uses (``mapping`` / ``buckets``: skip; attention over all layers; concat over
@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdrun.features import Features, fp32, no_autocast
 from kdrun.losses.hidden import masked_mean
 from kdrun.losses.registry import LossContext, Params, param, register_loss
-from kdrun.mapping import BUCKETS, MAPPINGS, LayerMap, MappedPairs, Row, pairs_map
+from kdrun.models.features import Features, fp32, no_autocast
+from kdrun.models.mapping import BUCKETS, MAPPINGS, LayerMap, MappedPairs, Row, pairs_map
 
 PROJECTIONS = ("none", "shared", "per_layer")
 ONE_TO_ONE, WEIGHTED, PER_SAMPLE, CONCAT = "pairs", "weights", "sample", "concat"

@@ -48,10 +48,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdrun.features import Features, no_autocast
 from kdrun.losses.prediction import Temperature, logit_kd, regression_mse
 from kdrun.losses.registry import LossContext, ParamError, Params, param, positive, positive_int, register_loss
 from kdrun.losses.relations import _safe_rsqrt, _tiny, _tol, angle_loss, center, full_precision, gram, relation_dtype
+from kdrun.models.features import Features, no_autocast
 
 PROJECT = ("auto", "always", "never")
 _NEG = -1e9  # masked logit (exp underflows to exactly 0, stays finite)

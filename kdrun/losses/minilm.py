@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kdrun.features import Features, fp32, no_autocast
 from kdrun.losses.layerwise import relation_kl
 from kdrun.losses.registry import LossContext, Params, param, positive_int, register_loss
+from kdrun.models.features import Features, fp32, no_autocast
 
 RELATIONS = {"query": "q", "key": "k", "value": "v"}
 

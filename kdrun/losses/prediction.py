@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kdrun.features import Features, fp32
 from kdrun.losses.registry import LossContext, NoParams, Params, param, positive, register_loss
+from kdrun.models.features import Features, fp32
 
 # Logit given to padding positions of QA windows: exp underflows to exactly 0 (as for -inf) while
 # differences stay finite, so KL and soft CE need no special cases.

@@ -7,7 +7,7 @@ A loss term is a pure function ``fn(student: Features, teacher: Features | None,
 - ``params``: the dataclass — the single source of the term's parameters, their types, defaults
   and allowed values, validated when an objective is planned (before any data or model loads);
 - ``needs`` / ``teacher_needs``: the features record entries it reads (nothing more is computed);
-- ``map_kinds``: the layer-map kinds it handles (kdrun.mapping; one-to-one pairs by default for
+- ``map_kinds``: the layer-map kinds it handles (kdrun.models.mapping; one-to-one pairs by default for
   terms that read layers, none for prediction-layer terms);
 - ``module`` (+ ``share``): the trainable module it owns (projections, layer weights), built once
   the model sizes are known; terms of a stage with the same ``share`` key use one module;
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from kdrun.errors import UserError
-from kdrun.features import KNOWN_NEEDS
+from kdrun.models.features import KNOWN_NEEDS
 
 ENTRY_POINT_GROUP = "kdrun.losses"
 # Needs that mean a term compares layer representations, so the mapping concerns it.
@@ -51,7 +51,7 @@ class LossContext:
     # The term's own learnable module (from its ``module`` declaration), if any.
     module: nn.Module | None = None
     step: int = 0
-    # The built mapping (kdrun.mapping.LayerMap) for terms that combine teacher layers; layer_pairs
+    # The built mapping (kdrun.models.mapping.LayerMap) for terms that combine teacher layers; layer_pairs
     # is its one-to-one view (the current draw for mapping=random).
     layer_map: Any = None
 
@@ -240,7 +240,7 @@ def register_loss(
 
     ``module(student_info, teacher_info, pairs, p)`` and ``check(student_info, teacher_info, pairs,
     p)`` receive the models' sizes as dicts with ``layers``, ``hidden``, ``heads``, the term's layer
-    map (kdrun.mapping.MappedPairs) and its typed parameters; ``check`` raises ValueError saying what
+    map (kdrun.models.mapping.MappedPairs) and its typed parameters; ``check`` raises ValueError saying what
     to change.
     """
     reads_logits = "logits" in frozenset(needs) | frozenset(teacher_needs or ())

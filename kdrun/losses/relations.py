@@ -48,7 +48,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from kdrun.features import no_autocast
+from kdrun.models.features import no_autocast
 
 PHIS = ("l2", "cosine")
 LOSSES = ("mse", "l1", "huber", "kl")

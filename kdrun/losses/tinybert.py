@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kdrun.features import Features, fp32
 from kdrun.losses.hidden import masked_mean
 from kdrun.losses.layerwise import (
     LAYER_MAP_KINDS,
@@ -47,6 +46,7 @@ from kdrun.losses.layerwise import (
     projection_module,
 )
 from kdrun.losses.registry import LossContext, Params, param, register_loss
+from kdrun.models.features import Features, fp32
 
 ATTENTION_LOSSES = ("mse", "kl")
 PADDING = ("exclude", "tinybert")

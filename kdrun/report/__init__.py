@@ -1,0 +1,1 @@
+"""Report: results of runs and sweeps (kdrun-report), significance tests and plots."""

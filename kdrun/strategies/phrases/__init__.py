@@ -1,0 +1,46 @@
+"""Word and phrase spans for MGSKD: a CoNLL-2000-trained NLTK chunker aligned to WordPieces.
+
+- :mod:`kdrun.strategies.phrases.corpus`: the CoNLL-2000 corpus (``spans.corpus_dir`` or NLTK's copy);
+- :mod:`kdrun.strategies.phrases.tagger`: classifier-based greedy taggers (NLTK book, chapter 7);
+- :mod:`kdrun.strategies.phrases.chunker`: POS tagger + chunker, cached; CoNLL evaluation;
+- :mod:`kdrun.strategies.phrases.align`: spans of an example in token indices;
+- :mod:`kdrun.strategies.phrases.cli`: ``kdrun-spans eval`` / ``kdrun-spans show``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    return cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
+
+
+def check_spans_config(spans_cfg: Any) -> None:
+    """Cheap checks of the ``spans`` group (no training): raises ValueError naming the key."""
+    from kdrun.strategies.phrases.chunker import check_chunk_types, check_settings
+    from kdrun.strategies.phrases.corpus import check_corpus_dir, nltk_corpus_available
+
+    check_chunk_types(list(_get(spans_cfg, "chunk_types", ["NP", "VP", "PP"])))
+    mwp = _get(spans_cfg, "min_word_pieces", 2)
+    if isinstance(mwp, bool) or not isinstance(mwp, int) or mwp < 1:
+        raise ValueError(f"spans.min_word_pieces={mwp!r} must be an integer >= 1 (the paper's setting is 2)")
+    check_settings(dict(_get(spans_cfg, "params", {}) or {}))
+    corpus_dir = _get(spans_cfg, "corpus_dir")
+    if corpus_dir:
+        check_corpus_dir(corpus_dir)
+    elif not nltk_corpus_available():
+        raise ValueError(
+            "this objective needs spans, which come from a chunker trained on CoNLL-2000, but spans.corpus_dir "
+            "is not set and NLTK's conll2000 data are not installed: set spans.corpus_dir=<directory with the "
+            "CoNLL-2000 train.txt/test.txt> or run `python -m nltk.downloader conll2000`")
+
+
+def span_extractor_for(spans_cfg: Any, tokenizer: Any, cache_dir: str | None):
+    """The :class:`~kdrun.strategies.phrases.align.SpanExtractor` of a ``spans`` config (trains the chunker once)."""
+    from kdrun.strategies.phrases.align import SpanExtractor
+    from kdrun.strategies.phrases.chunker import get_chunker
+
+    chunker = get_chunker(_get(spans_cfg, "corpus_dir"), list(_get(spans_cfg, "chunk_types", ["NP", "VP", "PP"])),
+                          cache_dir, dict(_get(spans_cfg, "params", {}) or {}))
+    return SpanExtractor(tokenizer, chunker, int(_get(spans_cfg, "min_word_pieces", 2)))

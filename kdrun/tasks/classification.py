@@ -1,0 +1,104 @@
+"""The ``classification`` task kind: single sentences or sentence pairs labelled with a class, or a
+score (regression, ``task.num_labels=1``) — GLUE and anything in its layout.
+
+Rows come from the toy generator, csv/json files, GLUE TSV directories or the hub
+(kdrun/tasks/data/sources.py), are tokenised by kdrun/tasks/data/pipeline.py and scored by the
+local GLUE metric module (kdrun/tasks/metrics/).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from kdrun.errors import ConfigError
+from kdrun.tasks import baselines
+from kdrun.tasks.data import common
+from kdrun.tasks.kinds import KindData, TaskKind, register_task_kind
+from kdrun.tasks.metrics import compute_task_metrics, labelled_metric_names
+
+# Only a corpus task masks tokens: a term that reads the masked-LM distribution needs one.
+MLM_NEED = "mlm_logits"
+
+
+def check_labelled_objective(cfg: Any, plans: list[Any]) -> None:
+    """A labelled task's objective: a term must train its head, and no term may read masked-LM
+    outputs (only a corpus task masks tokens)."""
+    name = cfg.objective.name
+    twin = name.removesuffix("_general") if name.endswith("_general") else "ckd"
+    mlm = [t.key for p in plans for t in p.terms if MLM_NEED in t.spec.needs | t.spec.teacher_needs]
+    if mlm:
+        raise ConfigError(
+            f"objective '{name}': terms {mlm} match the masked-LM distribution on masked tokens, which only a "
+            f"corpus task (task.kind=corpus, e.g. task=wikipedia) provides; task '{cfg.task.name}' (task.kind="
+            f"{cfg.task.kind}) masks none. Distil on it with a task objective, e.g. objective={twin}")
+    if not any(t.spec.reads_task_outputs for p in plans for t in p.terms):
+        raise ConfigError(
+            f"objective '{name}' has no term that reads labels or task logits, so the {cfg.task.kind} head of "
+            f"task '{cfg.task.name}' would never be trained and its scores would be those of a random head. "
+            f"It is a task-agnostic distillation objective for corpus tasks (task=wikipedia / text_corpus); "
+            f"on this task use e.g. objective={twin}")
+
+
+class LabelledKind(TaskKind):
+    """What every labelled kind shares: rows loaded, hashed and tokenised once per run (cached with
+    MGSKD's spans), a fine-tuned teacher, gold-label checks of the objective."""
+
+    def check_config(self, cfg: Any, plans: list[Any]) -> None:
+        if cfg.task.split_by_article is not None:
+            raise ConfigError("task.split_by_article is for question answering tasks (task.kind=qa, task=squad)")
+        check_labelled_objective(cfg, plans)
+
+    def load_data(self, cfg: Any, tokenizer: Any, tok_hash: str, plans: list[Any], spans: Any = None) -> KindData:
+        task = cfg.task
+        raw = self.load_raw(task)
+        data_hash = common.data_fingerprint(raw)
+        tokenized = self.tokenize_cached(raw, tokenizer, task, spans, cfg.cache_dir, f"{data_hash}-{tok_hash}")
+        return KindData(data_hash, raw, tokenized[task.train_split], {s: tokenized[s] for s in task.eval_splits},
+                        self.collator(tokenizer, task, cfg.train.pad_to_max_length))
+
+    def tokenize_cached(self, raw: Any, tokenizer: Any, task: Any, spans: Any, cache_dir: str, key: str) -> Any:
+        raise NotImplementedError
+
+    def collator(self, tokenizer: Any, task: Any, pad_to_max_length: bool) -> Any:
+        from kdrun.tasks.data.pipeline import Collator
+
+        return Collator(tokenizer.pad_token_id, task.num_labels == 1,
+                        pad_to=task.max_seq_length if pad_to_max_length else None)
+
+
+class ClassificationKind(LabelledKind):
+    name = "classification"
+
+    def check_metrics(self, names: list[str], task: Any) -> list[str]:
+        return labelled_metric_names(names, task.num_labels == 1)
+
+    def check_data(self, task: Any) -> None:
+        from kdrun.tasks.data.sources import check_task_data
+
+        check_task_data(task)
+
+    def load_raw(self, task: Any, seed: int | None = None) -> Any:
+        from kdrun.tasks.data.sources import load_task_data
+
+        return load_task_data(task, seed)
+
+    def tokenize(self, raw: Any, tokenizer: Any, task: Any) -> Any:
+        from kdrun.tasks.data.pipeline import tokenize_splits
+
+        return tokenize_splits(raw, tokenizer, task.max_seq_length)
+
+    def tokenize_cached(self, raw: Any, tokenizer: Any, task: Any, spans: Any, cache_dir: str, key: str) -> Any:
+        from kdrun.tasks.data.pipeline import tokenize_splits
+
+        return tokenize_splits(raw, tokenizer, task.max_seq_length, spans=spans, span_splits=[task.train_split],
+                               cache_dir=cache_dir, cache_key=key)
+
+    def metric_fn(self, task: Any, eval_data: dict[str, Any]) -> Any:
+        return functools.partial(compute_task_metrics, list(task.metrics), regression=task.num_labels == 1)
+
+    def baseline(self, task: Any, train: Any, evals: dict[str, Any]) -> dict[str, Any] | None:
+        return baselines.labelled_baseline(task, train, evals)
+
+
+register_task_kind(ClassificationKind())
