@@ -19,7 +19,7 @@ ways are checked to agree on those sentences.
 
 Both ways do the same arithmetic per masked word but for the naive way's vocabulary projection at
 every position, so the script also counts each way's matrix-product FLOPs (from the model's sizes
-and the real input lengths), measures this machine's throughput on one large matrix product
+and the real input lengths), measures the host's throughput on one large matrix product
 (4096 x hidden by hidden x intermediate) in each precision, and prints the ceiling: the speed-up the
 batched way would reach if all its arithmetic ran at that large-product rate while the naive way
 keeps its measured rate. On a CPU that ceiling is small (the naive way's batch-1 products already
@@ -43,7 +43,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
-GLUE_SST2 = REPO.parent / "shared" / "data" / "glue" / "SST-2"
+GLUE_SST2 = Path(os.environ.get("KDRUN_DATA") or REPO.parent / "shared" / "data") / "glue" / "SST-2"
 SIZES = {  # hidden, layers, heads, intermediate
     "base": (768, 12, 12, 3072),
     "small": (256, 4, 4, 1024),
@@ -198,7 +198,7 @@ def main() -> None:
     print(f"rate: batched {rate_b / 1e9:.0f} GFLOP/s ({args.precision}), naive {rate_n / 1e9:.0f} GFLOP/s (fp32); "
           f"one large product: {peak_fast / 1e9:.0f} GFLOP/s {args.precision}"
           + ("" if args.precision == "fp32" else f", {peak_fp32 / 1e9:.0f} GFLOP/s fp32"))
-    print(f"ceiling on this machine: {ceiling:.1f}x (every batched FLOP at the large-product rate)")
+    print(f"ceiling on this host: {ceiling:.1f}x (every batched FLOP at the large-product rate)")
     print(f"candidates identical on {same}/{len(naive_texts)} sentences checked ({overlap:.1%} of the naive "
           f"candidates proposed by both); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     if args.json:

@@ -4,8 +4,8 @@ training step (teacher forward + student forward/backward + optimizer step), on 
 in one process; and, for reference, the naive data path (reading and tokenising the documents for
 every batch instead of the cached segments).
 
-    python scripts/bench_corpus.py --data ../shared/data/wikipedia            # minilm_l6 → L4-H312, ckd_general
-    python scripts/bench_corpus.py --data ../shared/data/wikipedia --steps 20 objective=mlm_ckd teacher=...
+    python scripts/bench_corpus.py --data /path/to/wikipedia            # minilm_l6 → L4-H312, ckd_general
+    python scripts/bench_corpus.py --data /path/to/wikipedia --steps 20 objective=mlm_ckd teacher=...
 
 The corpus shards are built (or taken from the cache) first and not timed. Take the figures on an
 otherwise idle machine. Ratio = data tokens/s ÷ training tokens/s: far above 1 means the data path

@@ -207,7 +207,7 @@ def main() -> None:
                     batches.append(args.small_batch)
                 print(_row_text(rows[-1], args), flush=True)
 
-    goals = {21: (0.5 * 1024, 1.0), None: (2.0 * 1024, 5.0)}  # the CPU goals (MB, s): window, full
+    goals = {21: (0.5 * 1024, 1.0), None: (2.0 * 1024, 5.0)}  # the CPU goals (MB, s): window, full
     print()
     print(f"WR-angle forward+backward, {args.layers} layers, n={args.n}, teacher d={args.teacher_dim}, "
           f"device {args.device}, threads {args.threads or 'default'}, best of {args.repeat}")

@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
-GLUE_SST2 = REPO.parent / "shared" / "data" / "glue" / "SST-2"
+GLUE_SST2 = Path(os.environ.get("KDRUN_DATA") or REPO.parent / "shared" / "data") / "glue" / "SST-2"
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real one-node SLURM on this machine, for kdrun's `slurm` tests and for trying launcher=slurm.
+# A real one-node SLURM on the local host, for kdrun's `slurm` tests and for trying launcher=slurm.
 #
 #   scripts/slurm_localhost.sh start [DIR]   # prints: export SLURM_CONF=DIR/slurm.conf
 #   scripts/slurm_localhost.sh stop  [DIR]   # ends exactly the daemons `start` started

@@ -15,8 +15,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-GLUE = SHARED / "data" / "glue"
+# Real data sets (GLUE, SQuAD, CoNLL-2000, Wikipedia text) for the tests that use them, which skip
+# when they are absent: $KDRUN_DATA, else a data/ folder beside the repository's parent folder.
+DATA = Path(os.environ.get("KDRUN_DATA") or REPO.parent / "shared" / "data")
+GLUE = DATA / "glue"
 
 # Tiny models on a small toy task: a whole run takes seconds.
 TINY = [

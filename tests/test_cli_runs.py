@@ -1,5 +1,5 @@
 """The kdrun command as a user runs it: multirun with a shared teacher, the real-model quickstart,
-and real GLUE files when a copy is at ../shared/data/glue (skipped otherwise)."""
+and real GLUE files when a copy is at $KDRUN_DATA/glue (skipped otherwise)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def test_every_objective_learns_in_the_quickstart(tmp_path: Path) -> None:
     assert "teacher  validation  accuracy" in r.stdout
 
 
-@pytest.mark.skipif(not GLUE.exists(), reason="../shared/data/glue is absent")
+@pytest.mark.skipif(not GLUE.exists(), reason="GLUE data absent ($KDRUN_DATA/glue)")
 @pytest.mark.parametrize("task,metric", [("cola", "matthews_correlation"), ("mrpc", "f1"), ("stsb", "pearson"),
                                          ("sst2", "accuracy")])
 def test_real_glue_files(tmp_path: Path, task: str, metric: str) -> None:

@@ -104,7 +104,7 @@ def test_live_runs_are_counted_and_threads_chosen(tmp_path: Path, monkeypatch) -
             assert p.stdout.readline().strip() == "registered"
         assert TH.live_runs() == 3
         cores = TH.usable_cores()
-        assert TH.choose_threads(None, {}) == (max(1, cores // 3), f"{cores} cores / 3 kdrun runs on this machine")
+        assert TH.choose_threads(None, {}) == (max(1, cores // 3), f"{cores} cores / 3 kdrun runs on the host")
     finally:
         for p in others:
             p.kill()

@@ -96,7 +96,7 @@ def online(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     monkeypatch.setattr(M, "_REACHABLE", {})
     huggingface_hub.close_session()
     yield monkeypatch
-    huggingface_hub.close_session()  # the next user of the session must not inherit a test proxy
+    huggingface_hub.close_session()  # the next client must not inherit a test proxy
 
 
 def timed_reachable() -> tuple[bool, float]:
@@ -134,7 +134,7 @@ def test_unreachable_endpoint_fails_fast_with_the_clear_message(online) -> None:
         M.resolve_reference("kdrun-test/not-a-model", what="teacher.name_or_path")
     msg = str(err.value)
     assert "the Hugging Face hub is unreachable" in msg and "teacher=minilm_l6" in msg
-    with pytest.raises(DataError, match="unreachable from this machine"):
+    with pytest.raises(DataError, match="which is unreachable"):
         check_task_data({"name": "sst2", "hub_dataset": "nyu-mll/glue"})
 
 

@@ -16,9 +16,9 @@ from kdrun.tasks.data.corpus import (
     segment_document,
     write_corpus_splits,
 )
-from tests.conftest import SHARED
+from tests.conftest import DATA
 
-WIKI = SHARED / "data" / "wikipedia"
+WIKI = DATA / "wikipedia"
 
 WIKI_TEXT = """<doc id="1" url="u1" title="Alpha">
 Alpha
@@ -108,7 +108,7 @@ def test_missing_corpus_path_is_named(tmp_path: Path) -> None:
         corpus_files(tmp_path / "nope.txt")
 
 
-@pytest.mark.skipif(not WIKI.exists(), reason="../shared/data/wikipedia is absent")
+@pytest.mark.skipif(not WIKI.exists(), reason="Wikipedia text absent ($KDRUN_DATA/wikipedia)")
 def test_real_wikipedia_file_reads_lazily() -> None:
     docs = iter_documents(corpus_files(WIKI / "wiki_00"))
     first = next(docs)

@@ -490,7 +490,7 @@ def test_toy_task_via_load_task_data() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Real GLUE files (../shared/data/glue), when present
+# Real GLUE files ($KDRUN_DATA/glue), when present
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Optimizers and schedules from config (issue 13, part 4): the defaults build torch's fused AdamW
+"""Optimizers and schedules from config: the defaults build torch's fused AdamW
 with a linear warmup schedule (``fused: false``: the per-tensor loop kdrun used before), other
 optimizers come by name with their kwargs, the cosine and constant schedules give the expected
 learning rates, and bad names fail at preflight."""

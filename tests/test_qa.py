@@ -1,5 +1,5 @@
 """Extractive QA (task=squad): the metric, windows, post-processing, the prediction-layer terms over
-positions, every objective on QA windows, bad input, and tiny end-to-end runs (issue 16)."""
+positions, every objective on QA windows, bad input, and tiny end-to-end runs."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from omegaconf import OmegaConf
 from kdrun.tasks.data.common import DataError
 from kdrun.tasks.qa.metric import exact_match, normalize_answer, squad_scores, token_f1
 from kdrun.tasks.qa.postprocess import best_window_spans
-from tests.conftest import SHARED, TINY, compose, load_script
+from tests.conftest import DATA, TINY, compose, load_script
 
-SQUAD_DEV = SHARED / "data" / "squad" / "dev-v1.1.json"
+SQUAD_DEV = DATA / "squad" / "dev-v1.1.json"
 COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white"]
 THINGS = ["car", "house", "boat", "kite", "lamp", "chair", "door", "cup", "hat", "book", "bike", "fence"]
 PLACES = ["Paris", "Berlin", "Lima", "Oslo", "Cairo", "Tokyo", "Quito", "Rome"]
@@ -95,7 +95,7 @@ def test_hand_made_predictions() -> None:
     assert token_f1("the", "a") == 0.0  # both normalise to nothing: 0, as the v1.1 script
 
 
-@pytest.mark.skipif(not SQUAD_DEV.exists(), reason="needs ../shared/data/squad")
+@pytest.mark.skipif(not SQUAD_DEV.exists(), reason="needs SQuAD v1.1 dev ($KDRUN_DATA/squad)")
 def test_gold_answers_score_100_on_the_real_dev_file() -> None:
     from kdrun.tasks.qa.squad import read_squad
 
@@ -109,7 +109,7 @@ def test_gold_answers_score_100_on_the_real_dev_file() -> None:
     assert last["exact_match"] == 100.0 and last["f1"] == pytest.approx(100.0 * (10570 - 1) / 10570)
 
 
-@pytest.mark.skipif(not SQUAD_DEV.exists(), reason="needs ../shared/data/squad")
+@pytest.mark.skipif(not SQUAD_DEV.exists(), reason="needs SQuAD v1.1 dev ($KDRUN_DATA/squad)")
 def test_article_split_of_the_real_dev_file() -> None:
     from kdrun.tasks.qa.squad import load_qa_data
 

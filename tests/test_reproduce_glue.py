@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import GLUE, REPO, TINY, compose, load_script
 
 
-@pytest.mark.skipif(not (GLUE / "MRPC").exists(), reason="../shared/data/glue is absent")
+@pytest.mark.skipif(not (GLUE / "MRPC").exists(), reason="GLUE data absent ($KDRUN_DATA/glue)")
 def test_grid_choice_seeds_and_report(tmp_path: Path) -> None:
     script = load_script("reproduce_glue")
     out = tmp_path / "study"

@@ -1,5 +1,5 @@
 """Spans for MGSKD: CoNLL reader, taggers and chunker (tiny corpus written here; the real CoNLL-2000
-when a copy is at ../shared/data/conll2000), cache, span alignment to WordPieces, data pipeline, CLI,
+when a copy is at $KDRUN_DATA/conll2000), cache, span alignment to WordPieces, data pipeline, CLI,
 preflight."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from kdrun.strategies.phrases.align import SpanExtractor, word_char_spans
 from kdrun.strategies.phrases.chunker import Chunker, evaluate, get_chunker, iob_chunks, restrict_iob
 from kdrun.strategies.phrases.corpus import CorpusError, load_corpus, parse_conll
 from kdrun.strategies.phrases.tagger import history_features, static_features, train_tagger
-from tests.conftest import SHARED, TINY, compose
+from tests.conftest import DATA, TINY, compose
 
-CONLL = SHARED / "data" / "conll2000"
+CONLL = DATA / "conll2000"
 FAST = {"epochs": 30}  # a tiny corpus needs more passes than CoNLL-2000's 212k tokens
 
 
@@ -158,7 +158,7 @@ def test_chunker_cache_is_safe_and_keyed(tiny, tmp_path: Path, monkeypatch) -> N
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (CONLL / "train.txt").exists(), reason="../shared/data/conll2000 absent")
+@pytest.mark.skipif(not (CONLL / "train.txt").exists(), reason="CoNLL-2000 absent ($KDRUN_DATA/conll2000)")
 def test_real_conll2000_meets_the_goals(tmp_path: Path) -> None:
     ch = get_chunker(CONLL, ["NP", "VP", "PP"], tmp_path, verbose=False)
     res = evaluate(ch, load_corpus(CONLL, need=("train.txt", "test.txt")).sentences("test.txt"))

@@ -1,5 +1,5 @@
 """The teacher cache key: every setting that can change the fine-tuned teacher is in it, and every
-other setting provably stays out of the teacher's fine-tuning (issue 12, part 5).
+other setting provably stays out of the teacher's fine-tuning.
 
 kdrun/app/teacher.py classifies every key of ``task``, ``teacher`` and ``train`` (and the rest of the
 run's config). The tests here fail when a schema key is missing from that classification, when a

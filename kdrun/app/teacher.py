@@ -224,7 +224,6 @@ def fine_tune_teacher(out: Path, new_model: Callable[[], Any], cfg: Any, acceler
     from kdrun.engine.trainer import RunParts, evaluate, finalize_best, seed_everything
     from kdrun.models import loading as M
     from kdrun.runtime.tracking import Tracker
-    from kdrun.tasks.data.pipeline import Collator
 
     task, ft = cfg.task, cfg.teacher.finetune
     ttcfg = teacher_train_cfg(cfg.train, ft)
@@ -233,13 +232,12 @@ def fine_tune_teacher(out: Path, new_model: Callable[[], Any], cfg: Any, acceler
     # entry), so this is never data-parallel.
     model = accelerator.prepare_model(new_model()) if accelerator.num_processes == 1 else \
         new_model().to(accelerator.device)
-    plan = finetune_plan(ft)
+    plan = finetune_plan(ft, kind_of(task).finetune_loss)
     parts = RunParts(
         accelerator=accelerator, student=model, teacher=None,
         objective=Objective([plan], [], task.num_labels, M.describe(model), None),
         train_data=train_data, eval_data=eval_data,
-        collator=Collator(tokenizer.pad_token_id, task.num_labels == 1,
-                          pad_to=task.max_seq_length if ttcfg.pad_to_max_length else None),
+        collator=kind_of(task).collator(tokenizer, task, ttcfg.pad_to_max_length),
         metric_fn=kind_of(task).metric_fn(task, eval_data), main_metric=task.main_metric, train_cfg=ttcfg,
         tracker=Tracker(out, OmegaConf.create({"name": "none"}), {}, "teacher", enabled=False),
         run_dir=out, config_hash="teacher",
@@ -292,15 +290,16 @@ def teacher_accelerator(accelerator: Any, gradient_accumulation_steps: int) -> I
         accelerator.precision = precision
 
 
-def finetune_plan(finetune_cfg: Any) -> StagePlan:
-    """A one-stage plan of plain cross-entropy (MSE for regression) with the teacher's hyperparameters."""
+def finetune_plan(finetune_cfg: Any, loss: str = "ce") -> StagePlan:
+    """A one-stage plan of the task kind's supervised loss (``ce``: cross-entropy, MSE for regression)
+    with the teacher's hyperparameters."""
     cfg = OmegaConf.to_container(finetune_cfg, resolve=True) if not isinstance(finetune_cfg, dict) else finetune_cfg
     stage = {"name": "finetune", "epochs": cfg["epochs"], "lr": cfg["lr"], "batch_size": cfg["batch_size"],
              "warmup_ratio": cfg["warmup_ratio"], "weight_decay": cfg["weight_decay"], "objective_lr": None,
              "data": "original", "eval_every_steps": cfg.get("eval_every_steps"), "select_best": True, "losses": [],
              "optimizer": cfg.get("optimizer"), "scheduler": cfg.get("scheduler")}
-    ce = get_loss("ce")
-    return StagePlan(0, "finetune", stage, [Term("ce", ce, 1.0, ce.make_params(), "teacher.finetune")])
+    spec = get_loss(loss)
+    return StagePlan(0, "finetune", stage, [Term(loss, spec, 1.0, spec.make_params(), "teacher.finetune")])
 
 
 def teacher_cache_key(cfg: Any, resolved_ref: str, data_hash: str, tok_hash: str, precision: str) -> str:

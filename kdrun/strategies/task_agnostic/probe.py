@@ -1,7 +1,7 @@
 """``kdrun-general probe``: fine-tune general students on GLUE tasks next to a random-init twin.
 
     kdrun-general probe RUN_OR_STUDENT_DIR [...] --tasks sst2,mrpc --seeds 1,2,3 \\
-        --glue-dir ../shared/data/glue --out probe/ [kdrun overrides, e.g. train.lr=1e-4]
+        --glue-dir /path/to/glue --out probe/ [kdrun overrides, e.g. train.lr=1e-4]
 
 For every student directory (a corpus run's directory or its ``student/``) and task, one
 ``kdrun -m`` sweep over the seeds fine-tunes it (``objective=finetune``: cross-entropy on the gold
