@@ -56,9 +56,9 @@ def test_classification_metric_fn_scores_like_a_naive_count() -> None:
 
 
 # Modules that must not know which kinds exist (they ask the kind instead).
-KIND_BLIND = ["kdrun/app/run.py", "kdrun/engine/trainer.py", "kdrun/tasks/metrics/__init__.py", "kdrun/app/preflight.py",
-              "kdrun/app/teacher.py", "kdrun/tasks/baselines.py", "kdrun/report/results.py", "kdrun/models/loading.py",
-              "kdrun/tasks/data/sources.py"]
+KIND_BLIND = ["kdrun/app/run.py", "kdrun/engine/trainer.py", "kdrun/tasks/metrics/__init__.py",
+              "kdrun/app/preflight.py", "kdrun/app/teacher.py", "kdrun/tasks/baselines.py", "kdrun/report/results.py",
+              "kdrun/models/loading.py", "kdrun/tasks/data/sources.py"]
 
 
 @pytest.mark.parametrize("path", KIND_BLIND)
@@ -94,4 +94,5 @@ def test_a_new_task_kind_runs_end_to_end(tmp_path: Path) -> None:
     ce = stages.replace("token_ce", "ce")
     bad = subprocess.run([*(f"objective.stages={ce}" if a.startswith("objective.stages=") else a for a in cmd[:-1]),
                           f"hydra.run.dir={tmp_path / 'bad'}"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "task.kind=tokens trains with ['token_ce', 'token_kd'] only, not ['ce']" in bad.stderr
+    assert bad.returncode == 2
+    assert "task.kind=tokens trains with ['token_ce', 'token_kd'] only, not ['ce']" in bad.stderr

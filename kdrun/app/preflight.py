@@ -65,7 +65,8 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
             raise ConfigError(str(e)) from None
     uses_teacher = any(p.uses_teacher for p in plans) or (
         cfg.student.kind == "truncated" and cfg.student.source == "teacher")
-    _check_optimizers(cfg, plans, fine_tunes_teacher=uses_teacher and not cfg.teacher.checkpoint and kind.fine_tunes_teacher)
+    fine_tunes = uses_teacher and not cfg.teacher.checkpoint and kind.fine_tunes_teacher
+    _check_optimizers(cfg, plans, fine_tunes_teacher=fine_tunes)
     refs = _resolve_models(cfg, uses_teacher)
     return {"plans": plans, "refs": refs, "uses_teacher": uses_teacher, "mapping": mapping}
 

@@ -8,9 +8,10 @@ corpus, and the student is saved as a plain Hugging Face encoder (+ its MLM head
 task runs take with ``student=pretrained student.name_or_path=<run>/student``.
 
 Pieces: kdrun/strategies/task_agnostic/kind.py (the ``corpus`` task kind), kdrun/tasks/data/corpus.py
-(reading and segmenting), kdrun/strategies/task_agnostic/data.py (the cached shards and
-the masking collator), kdrun/strategies/task_agnostic/evaluate.py (held-out loss), kdrun/strategies/task_agnostic/probe.py (downstream
-probe), kdrun/losses/mlm.py (the masked-LM distribution term).
+(reading and segmenting), kdrun/strategies/task_agnostic/data.py (the cached shards and the masking
+collator), kdrun/strategies/task_agnostic/evaluate.py (held-out loss),
+kdrun/strategies/task_agnostic/probe.py (downstream probe), kdrun/losses/mlm.py (the masked-LM
+distribution term).
 """
 
 from __future__ import annotations
