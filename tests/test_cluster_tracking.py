@@ -278,7 +278,7 @@ def test_wandb_pin_admits_the_reinit_mode_the_tracker_uses() -> None:
     lows = [Version(s.version) for s in req.specifier if s.operator in (">=", "==", "~=")]
     assert lows and min(lows) >= Version("0.19.9")
     assert Version(md.version("wandb")) in req.specifier
-    assert 'reinit="finish_previous"' in (REPO / "kdrun" / "tracking.py").read_text()
+    assert 'reinit="finish_previous"' in (REPO / "kdrun" / "runtime" / "tracking.py").read_text()
 
 
 # ---------------------------------------------------------------------------------------- SQuAD id

@@ -29,7 +29,7 @@ def keyword(call: ast.Call, name: str):
 
 
 def test_sources_are_found() -> None:
-    assert len(SOURCES) > 50 and REPO / "kdrun" / "checkpoints.py" in SOURCES
+    assert len(SOURCES) > 50 and REPO / "kdrun" / "engine" / "checkpoints.py" in SOURCES
 
 
 def test_no_load_can_run_code() -> None:
