@@ -96,3 +96,11 @@ def test_a_new_task_kind_runs_end_to_end(tmp_path: Path) -> None:
                           f"hydra.run.dir={tmp_path / 'bad'}"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2
     assert "task.kind=tokens trains with ['token_ce', 'token_kd'] only, not ['ce']" in bad.stderr
+
+
+def test_empty_task_imports_leave_run_identities_as_they_were() -> None:
+    from kdrun.app.run import run_config_hash
+
+    base = {"task": {"name": "x", "kind": "classification"}, "train": {"seed": 1}}
+    assert run_config_hash({**base, "task": {**base["task"], "imports": []}}) == run_config_hash(base)
+    assert run_config_hash({**base, "task": {**base["task"], "imports": ["m"]}}) != run_config_hash(base)

@@ -63,6 +63,8 @@ def run_config_hash(resolved: dict[str, Any]) -> str:
     keep = {k: v for k, v in resolved.items() if k not in ("resume", "logger", "output_dir", "run_name")}
     keep["train"] = without_default_optim({k: v for k, v in keep.get("train", {}).items()
                                            if k not in ("stop_after_steps", "num_threads")})
+    if not (keep.get("task") or {}).get("imports", True):  # no task.imports: as before the key existed
+        keep["task"] = {k: v for k, v in keep["task"].items() if k != "imports"}
     objective = keep.get("objective") or {}  # default optimizers leave the checkpoints of older runs valid
     if objective.get("stages"):
         keep["objective"] = {**objective, "stages": [without_default_adaptive(without_default_optim(s))
