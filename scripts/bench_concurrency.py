@@ -3,6 +3,7 @@ default thread choice (cores divided by the live kdrun runs; kdrun/runtime/threa
 
     python scripts/bench_concurrency.py                       # two `kdrun experiment=quickstart`
     python scripts/bench_concurrency.py --overrides task.toy.num_train=1000
+    python scripts/bench_concurrency.py --fast                # tiny random models, 64 toy sentences
 
 A first run fills the teacher cache (not timed). Then, for each way, both runs start together and
 the script reports the wall time until both have finished, the ratio naive / default, and one
@@ -18,6 +19,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+# --fast: tiny random teacher and student (all-MiniLM-L6-v2's tokenizer, no download) on a few toy
+# sentences, one epoch each: the whole comparison in seconds, for checking the script, not for figures.
+FAST = ["teacher=tiny_random", "student=tiny_random", "teacher.finetune.epochs=1", "train.epochs=1",
+        "task.toy.num_train=64", "task.toy.num_validation=32"]
 
 
 def kdrun_cmd(args: list[str], out: Path, tag: str) -> list[str]:
@@ -40,11 +46,12 @@ def main() -> None:
     ap.add_argument("--experiment", default="quickstart")
     ap.add_argument("--overrides", nargs="*", default=[], help="extra key=value overrides for every run")
     ap.add_argument("--workdir", type=Path, default=None, help="outputs and cache (default: a temporary dir)")
+    ap.add_argument("--fast", action="store_true", help="tiny random models on 64 toy sentences (seconds)")
     args = ap.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="kdrun-bench-conc-"))
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     env.update(KDRUN_CACHE_DIR=str(work / "cache"), HF_HUB_OFFLINE="1", WANDB_MODE="offline")
-    base = [f"experiment={args.experiment}", *args.overrides]
+    base = [f"experiment={args.experiment}", *(FAST if args.fast else []), *args.overrides]
     cores = len(os.sched_getaffinity(0))
 
     print(f"[bench] warm-up run (fills the teacher cache) in {work}", flush=True)

@@ -6,6 +6,7 @@ every batch instead of the cached segments).
 
     python scripts/bench_corpus.py --data /path/to/wikipedia            # minilm_l6 → L4-H312, ckd_general
     python scripts/bench_corpus.py --data /path/to/wikipedia --steps 20 objective=mlm_ckd teacher=...
+    python scripts/bench_corpus.py --data corpus.txt --fast cache_dir=/tmp/c  # tiny models, 3 steps
 
 The corpus shards are built (or taken from the cache) first and not timed. Take the figures on an
 otherwise idle machine. Ratio = data tokens/s ÷ training tokens/s: far above 1 means the data path
@@ -21,6 +22,11 @@ import time
 from pathlib import Path
 
 import torch
+
+# --fast: tiny random teacher and student (all-MiniLM-L6-v2's tokenizer, no download), segments of
+# at most 32 tokens in batches of 8, 3 timed steps: seconds on a small corpus, for checking the
+# script, not for figures. Overrides given on the command line come after these.
+FAST = ["teacher=tiny_random", "student=tiny_random", "task.max_seq_length=32", "objective.stages.0.batch_size=8"]
 
 
 def compose(overrides: list[str]):
@@ -76,15 +82,18 @@ def time_training(parts, loop, state, steps: int) -> tuple[float, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", required=True, help="corpus files or directory (task.data_files)")
-    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=None, help="timed batches (default 15; 3 with --fast)")
+    ap.add_argument("--fast", action="store_true", help="tiny random models, short segments, small batches")
     args, overrides = ap.parse_known_args()
+    if args.steps is None:
+        args.steps = 3 if args.fast else 15
     from kdrun.app.preflight import preflight
     from kdrun.app.run import build_student, load_data, load_teacher, make_parts, start_session
     from kdrun.engine.trainer import TrainState, setup_stage
     from kdrun.tasks.data.corpus import corpus_files
 
     cfg = compose(["task=wikipedia", f"task.data_files={args.data}", "teacher=minilm_l6", "student=general_L4_H312",
-                   "objective=ckd_general", "logger=none", *overrides])
+                   "objective=ckd_general", "logger=none", *(FAST if args.fast else []), *overrides])
     with tempfile.TemporaryDirectory() as tmp:
         session = start_session(cfg, Path(tmp), preflight(cfg), time.perf_counter())
         data = load_data(session)  # builds or loads the cached shards (not timed)

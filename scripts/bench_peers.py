@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--teacher-max-train-samples", default="16000",
                    help="task.teacher_max_train_samples of the cached teacher to look up")
     p.add_argument("--peer-python", default=sys.executable, help="interpreter with TextBrewer / torchdistill")
-    p.add_argument("--tools", default=None, help=f"comma-separated, of {','.join(TOOLS)} (default: all; --fast: kdrun's)")
+    p.add_argument("--tools", default=None,
+                   help=f"comma-separated, of {','.join(TOOLS)} (default: all; --fast: kdrun's)")
     p.add_argument("--rows", type=int, default=2000)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=5e-4)
@@ -220,12 +221,12 @@ def run_kdrun(args: argparse.Namespace, work_dir: Path, work: dict, store: str) 
     """kdrun's own command line on the same rows, teacher and initial student."""
     from transformers import AutoModelForSequenceClassification
 
-    stage = ("[{name: kd, epochs: %d, lr: %g, batch_size: 32, warmup_ratio: 0.0, losses: ["
-             "{name: logit_kd, weight: 1.0, params: {temperature: 1.0}}, {name: hidden_mse, weight: 1.0}]}]"
-             % (args.epochs, args.lr))
+    stage = (f"[{{name: kd, epochs: {args.epochs:d}, lr: {args.lr:g}, batch_size: 32, warmup_ratio: 0.0, losses: ["
+             "{name: logit_kd, weight: 1.0, params: {temperature: 1.0}}, {name: hidden_mse, weight: 1.0}]}]")
     run_dir = work_dir / f"kdrun_{store}"
     cmd = [sys.executable, "-m", "kdrun", "task=sst2", f"task.data_dir={work_dir / 'sst2'}", "task.max_seq_length=64",
-           f"teacher.checkpoint={work_dir / 'teacher'}", "teacher=minilm_l6", "student=truncated", "student.num_layers=2",
+           f"teacher.checkpoint={work_dir / 'teacher'}", "teacher=minilm_l6", "student=truncated",
+           "student.num_layers=2",
            "mapping=uniform", "objective=logit", f"objective.stages={stage}", "train.scheduler=constant",
            "train.keep_best=false", "train.max_grad_norm=1.0", "logger=none", f"teacher.store={store}",
            f"cache_dir={work_dir / 'kdrun_cache'}", f"output_dir={run_dir}", "resume=false"]

@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     res = {mode: sweep(args, mode, cache, out) for mode in ("off", "on")}
     print(f"\n{'store':6} {'runs':>5} {'wall s':>8} {'teacher fwd rows':>17} {'entries':>8} {'mean dev':>9}")
     for mode, r in res.items():
-        print(f"{mode:6} {r['runs']:>5} {r['wall_s']:>8.1f} {r['teacher_rows']:>17} {r['entries']:>8} {r['score']:>9.4f}")
+        print(f"{mode:6} {r['runs']:>5} {r['wall_s']:>8.1f} {r['teacher_rows']:>17} {r['entries']:>8} "
+              f"{r['score']:>9.4f}")
     speedup = res["off"]["wall_s"] / res["on"]["wall_s"]
     print(f"speed-up of the sweep with the store: {speedup:.2f}x; teacher forward rows "
           f"{res['off']['teacher_rows']} -> {res['on']['teacher_rows']}")

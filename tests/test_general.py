@@ -277,7 +277,8 @@ def test_probe_fine_tunes_the_general_student_next_to_its_random_twin(run_cfg, c
 
     run(run_cfg(*corpus_args(corpus, "ckd_general"), toy=False), tmp_path / "g")
     out = tmp_path / "probe"
-    cmd = [sys.executable, "-m", "kdrun.strategies.task_agnostic.probe", "probe", str(tmp_path / "g"), "--tasks", "toy", "--seeds", "1",
+    cmd = [sys.executable, "-m", "kdrun.strategies.task_agnostic.probe", "probe", str(tmp_path / "g"), "--tasks", "toy",
+           "--seeds", "1",
            "--out", str(out), "task.toy.num_train=160", "task.toy.num_validation=64", "train.epochs=1",
            f"cache_dir={cache_dir}"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env_for(tmp_path), cwd=tmp_path, timeout=600)

@@ -87,7 +87,8 @@ def test_stored_features_equal_the_live_teachers(run_cfg, cache_dir: Path, tmp_p
 
 
 def test_sweep_builds_once_and_a_damaged_entry_is_rebuilt(run_cfg, cache_dir: Path, tmp_path: Path) -> None:
-    logs = [quiet_run(run_cfg("objective=logit", f"seed={s}", "teacher.store=on"), tmp_path / f"s{s}") for s in (1, 2, 3)]
+    logs = [quiet_run(run_cfg("objective=logit", f"seed={s}", "teacher.store=on"), tmp_path / f"s{s}")
+            for s in (1, 2, 3)]
     assert "teacher store: building logits" in logs[0]
     assert all("building" not in x and "from the cache" in x for x in logs[1:])
     (entry,) = entries(cache_dir)

