@@ -322,13 +322,17 @@ def test_misspelt_adaptive_key_fails_at_composition() -> None:
 
 # ---------------------------------------------------------------------------------- the whole run
 
+# A whole DynaBERT run in seconds: tiny models, two widths and two depths (tests/test_scripts_fast.py too).
+TINY_DYNABERT_RUN = [
+    *TINY, "task=toy", "task.toy.num_train=48", "task.toy.num_validation=24", "objective=dynabert_ckd",
+    "student=truncated", "student.num_layers=4", "objective.params.widths=[1.0,0.5]",
+    "objective.params.depths=[1.0,0.5]", "objective.params.width_epochs=1", "objective.params.depth_epochs=1",
+    "objective.params.batch_size=16"]
+
 def test_cli_run_prints_the_table_and_exports(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     r = subprocess.run(
-        [sys.executable, "-m", "kdrun", *TINY, "task=toy", "task.toy.num_train=48", "task.toy.num_validation=24",
-         "objective=dynabert_ckd", "student=truncated", "student.num_layers=4", "objective.params.widths=[1.0,0.5]",
-         "objective.params.depths=[1.0,0.5]", "objective.params.width_epochs=1", "objective.params.depth_epochs=1",
-         "objective.params.batch_size=16", f"cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-m", "kdrun", *TINY_DYNABERT_RUN, f"cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "DynaBERT sub-networks" in r.stdout and "m_w" in r.stdout

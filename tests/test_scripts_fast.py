@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY
+from tests.conftest import REPO
+from tests.test_dynabert import TINY_DYNABERT_RUN
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
            "TOKENIZERS_PARALLELISM": "false"}
@@ -215,10 +216,7 @@ def test_check_export_on_a_tiny_dynabert_run(tmp_path: Path) -> None:
     the in-run sub-network's logits and metrics."""
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "kdrun", *TINY, "task=toy", "task.toy.num_train=48", "task.toy.num_validation=24",
-         "objective=dynabert_ckd", "student=truncated", "student.num_layers=4", "objective.params.widths=[1.0,0.5]",
-         "objective.params.depths=[1.0,0.5]", "objective.params.width_epochs=1", "objective.params.depth_epochs=1",
-         "objective.params.batch_size=16", f"cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-m", "kdrun", *TINY_DYNABERT_RUN, f"cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "exported"
