@@ -82,7 +82,7 @@ def test_a_new_task_kind_runs_end_to_end(tmp_path: Path) -> None:
            "task.metrics=[token_accuracy]", "task.main_metric=token_accuracy", "task.max_seq_length=32",
            "objective=finetune", "objective.imports=[tests.token_kind]", f"objective.stages={stages}",
            "task.toy.num_train=800", "teacher.finetune.epochs=3", "teacher.finetune.lr=5e-3",
-           "teacher.finetune.batch_size=16", "teacher.store=off",
+           "teacher.finetune.batch_size=16", "teacher.store=on",
            f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}"]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
