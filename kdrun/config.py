@@ -407,15 +407,20 @@ class KdrunConfig:
     run_name: Optional[str] = None
 
 
-def task_config(task: Any) -> Any:
-    """``task`` as a typed TaskConfig (a structured DictConfig): a composed run's ``cfg.task`` as it
-    is, a plain mapping (a results.json's config, a test's dict) checked against the schema and
-    completed with its defaults, so task code reads attributes and a wrong key fails naming it."""
+def typed(node: Any, schema: type) -> Any:
+    """``node`` as a structured DictConfig of ``schema``: a composed group as it is, a plain mapping
+    (a results.json's config, a test's dict) checked against the schema and completed with its
+    defaults, so the code reads attributes and a wrong key fails naming it."""
     from omegaconf import OmegaConf
 
-    if OmegaConf.is_config(task) and OmegaConf.get_type(task) is TaskConfig:
-        return task
-    return OmegaConf.merge(OmegaConf.structured(TaskConfig), task)
+    if OmegaConf.is_config(node) and OmegaConf.get_type(node) is schema:
+        return node
+    return OmegaConf.merge(OmegaConf.structured(schema), node)
+
+
+def task_config(task: Any) -> Any:
+    """``task`` as a typed TaskConfig (see :func:`typed`)."""
+    return typed(task, TaskConfig)
 
 
 def _one_minus(x: float) -> float:

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-def _get(cfg: Any, name: str, default: Any = None) -> Any:
-    return cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
+from kdrun.config import SpansConfig, typed
 
 
 def check_spans_config(spans_cfg: Any) -> None:
@@ -21,12 +19,13 @@ def check_spans_config(spans_cfg: Any) -> None:
     from kdrun.strategies.phrases.chunker import check_chunk_types, check_settings
     from kdrun.strategies.phrases.corpus import check_corpus_dir, nltk_corpus_available
 
-    check_chunk_types(list(_get(spans_cfg, "chunk_types", ["NP", "VP", "PP"])))
-    mwp = _get(spans_cfg, "min_word_pieces", 2)
+    spans_cfg = typed(spans_cfg, SpansConfig)
+    check_chunk_types(list(spans_cfg.chunk_types))
+    mwp = spans_cfg.min_word_pieces
     if isinstance(mwp, bool) or not isinstance(mwp, int) or mwp < 1:
         raise ValueError(f"spans.min_word_pieces={mwp!r} must be an integer >= 1 (the paper's setting is 2)")
-    check_settings(dict(_get(spans_cfg, "params", {}) or {}))
-    corpus_dir = _get(spans_cfg, "corpus_dir")
+    check_settings(dict(spans_cfg.params or {}))
+    corpus_dir = spans_cfg.corpus_dir
     if corpus_dir:
         check_corpus_dir(corpus_dir)
     elif not nltk_corpus_available():
@@ -41,6 +40,6 @@ def span_extractor_for(spans_cfg: Any, tokenizer: Any, cache_dir: str | None):
     from kdrun.strategies.phrases.align import SpanExtractor
     from kdrun.strategies.phrases.chunker import get_chunker
 
-    chunker = get_chunker(_get(spans_cfg, "corpus_dir"), list(_get(spans_cfg, "chunk_types", ["NP", "VP", "PP"])),
-                          cache_dir, dict(_get(spans_cfg, "params", {}) or {}))
-    return SpanExtractor(tokenizer, chunker, int(_get(spans_cfg, "min_word_pieces", 2)))
+    spans_cfg = typed(spans_cfg, SpansConfig)
+    chunker = get_chunker(spans_cfg.corpus_dir, list(spans_cfg.chunk_types), cache_dir, dict(spans_cfg.params or {}))
+    return SpanExtractor(tokenizer, chunker, int(spans_cfg.min_word_pieces))
