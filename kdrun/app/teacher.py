@@ -313,7 +313,7 @@ def teacher_cache_key(cfg: Any, resolved_ref: str, data_hash: str, tok_hash: str
     ref_identity: Any = resolved_ref
     if Path(resolved_ref).is_dir():
         ref_identity = {"path": str(Path(resolved_ref).resolve()), "files": file_fingerprint(resolved_ref)}
-    random = tc.kind == "random"
+    random, kind_keyed = tc.kind == "random", kind_of(task).teacher_keyed
     return content_hash({
         "v": CACHE_VERSION,
         "model": ref_identity,
@@ -323,7 +323,7 @@ def teacher_cache_key(cfg: Any, resolved_ref: str, data_hash: str, tok_hash: str
                         else tc[k])
                     for k in TEACHER_KEYED if random or k not in _RANDOM_ONLY},
         "task": {k: OmegaConf.to_container(task[k], resolve=True) if OmegaConf.is_config(task[k]) else task[k]
-                 for k in TASK_KEYED if k not in _KIND_ONLY or k in kind_of(task).teacher_keyed},
+                 for k in TASK_KEYED if k not in _KIND_ONLY or k in kind_keyed},
         "precision": precision,
     })
 

@@ -20,7 +20,6 @@ and modules named in an objective's ``imports`` key are imported before its term
 
 from __future__ import annotations
 
-import importlib
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
@@ -31,6 +30,7 @@ from torch import nn
 
 from kdrun.errors import UserError
 from kdrun.models.features import KNOWN_NEEDS
+from kdrun.runtime.plugins import import_entry_point_modules, import_listed_modules
 
 ENTRY_POINT_GROUP = "kdrun.losses"
 # Needs that mean a term compares layer representations, so the mapping concerns it.
@@ -279,24 +279,12 @@ def discover_losses() -> None:
     if _discovered:
         return
     _discovered = True
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            importlib.import_module(ep.value.split(":")[0])
-        except ImportError as e:
-            raise ImportError(f"loss plug-in '{ep.name}' ({ep.value}, entry point group {ENTRY_POINT_GROUP}) "
-                              f"cannot be imported: {e}") from e
+    import_entry_point_modules(ENTRY_POINT_GROUP, "loss plug-in")
 
 
 def import_loss_modules(modules: Iterable[str], where: str = "objective.imports") -> None:
     """Import the modules an objective lists (their ``@register_loss`` declarations run)."""
-    for i, module in enumerate(modules):
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            raise ValueError(f"{where}[{i}]: cannot import '{module}' ({e}); install the package that "
-                             "provides it or put its directory on PYTHONPATH") from None
+    import_listed_modules(modules, where)
 
 
 def get_loss(name: str, where: str = "loss") -> LossSpec:

@@ -20,6 +20,7 @@ from torch import nn
 #   qkv (per-layer query/key/value projections), attention_scores (pre-softmax scores, from Q and K),
 #   mlm_logits (the masked-LM head's logits at the batch's masked positions; corpus tasks).
 KNOWN_NEEDS = frozenset({"logits", "hidden_states", "attentions", "spans", "qkv", "attention_scores", "mlm_logits"})
+MLM_NEED = "mlm_logits"  # only a corpus task masks tokens, so only there can a term read them
 # Needs served by forward hooks on the attention projections (any attention implementation, SDPA too).
 PROJECTION_NEEDS = frozenset({"qkv", "attention_scores"})
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")

@@ -12,13 +12,11 @@ import functools
 from typing import Any
 
 from kdrun.errors import ConfigError
+from kdrun.models.features import MLM_NEED
 from kdrun.tasks import baselines
 from kdrun.tasks.data import common
 from kdrun.tasks.kinds import KindData, TaskKind, register_task_kind
 from kdrun.tasks.metrics import compute_task_metrics, labelled_metric_names
-
-# Only a corpus task masks tokens: a term that reads the masked-LM distribution needs one.
-MLM_NEED = "mlm_logits"
 
 
 def check_labelled_objective(cfg: Any, plans: list[Any]) -> None:
@@ -45,8 +43,7 @@ class LabelledKind(TaskKind):
     MGSKD's spans), a fine-tuned teacher, gold-label checks of the objective."""
 
     def check_config(self, cfg: Any, plans: list[Any]) -> None:
-        if cfg.task.split_by_article is not None:
-            raise ConfigError("task.split_by_article is for question answering tasks (task.kind=qa, task=squad)")
+        super().check_config(cfg, plans)
         check_labelled_objective(cfg, plans)
 
     def load_data(self, cfg: Any, tokenizer: Any, tok_hash: str, plans: list[Any], spans: Any = None) -> KindData:

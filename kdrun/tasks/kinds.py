@@ -19,11 +19,11 @@ or one named in ``task.imports``.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from kdrun.errors import ConfigError
+from kdrun.runtime.plugins import import_entry_point_modules, import_listed_modules
 
 ENTRY_POINT_GROUP = "kdrun.task_kinds"
 _KINDS: dict[str, TaskKind] = {}
@@ -61,7 +61,10 @@ class TaskKind:
 
     # ---- preflight (no data or model loaded); every problem is a ConfigError naming the key
     def check_config(self, cfg: Any, plans: list[Any]) -> None:
-        """The kind's task keys and whether the objective's terms suit the kind."""
+        """The kind's task keys and whether the objective's terms suit the kind (here: no kind but QA,
+        which overrides this, reads task.split_by_article)."""
+        if cfg.task.split_by_article is not None:
+            raise ConfigError("task.split_by_article is for question answering tasks (task.kind=qa, task=squad)")
 
     def check_metrics(self, names: list[str], task: Any) -> list[str]:
         """The requested metric names without duplicates; ValueError naming the valid ones."""
@@ -122,25 +125,13 @@ def _load_entry_points() -> None:
     global _LOADED
     if _LOADED:
         return
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            importlib.import_module(ep.value.split(":")[0])
-        except ImportError as e:
-            raise ImportError(f"task kind '{ep.name}' ({ep.value}, entry point group {ENTRY_POINT_GROUP}) "
-                              f"cannot be imported: {e}") from e
+    import_entry_point_modules(ENTRY_POINT_GROUP, "task kind")
     _LOADED = True
 
 
 def import_task_modules(modules: Any, where: str = "task.imports") -> None:
     """Import the modules a task config lists (their ``register_task_kind`` calls run)."""
-    for i, module in enumerate(modules or ()):
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            raise ConfigError(f"{where}[{i}]: cannot import '{module}' ({e}); install the package that provides "
-                              "it or put its directory on PYTHONPATH") from None
+    import_listed_modules(modules, where, ConfigError)
 
 
 def task_kinds() -> dict[str, TaskKind]:

@@ -19,9 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 from kdrun.errors import ConfigError
+from kdrun.models.features import MLM_NEED
 
 CORPUS_METRICS = ("distill_loss",)
-MLM_NEED = "mlm_logits"
 
 
 def head_for(plans: list[Any], role: str) -> str:

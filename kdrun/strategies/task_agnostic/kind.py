@@ -16,10 +16,7 @@ class CorpusKind(TaskKind):
     lower_is_better = frozenset(CORPUS_METRICS)
 
     def check_config(self, cfg: Any, plans: list[Any]) -> None:
-        if cfg.task.split_by_article is not None:
-            from kdrun.errors import ConfigError
-
-            raise ConfigError("task.split_by_article is for question answering tasks (task.kind=qa, task=squad)")
+        super().check_config(cfg, plans)
         check_corpus_config(cfg, plans)
 
     def check_metrics(self, names: list[str], task: Any) -> list[str]:
