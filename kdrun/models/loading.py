@@ -113,7 +113,7 @@ def resolve_reference(ref: str, fallback_hub_id: str | None = None, *, what: str
         reason = "HF_HUB_OFFLINE=1 is set" if hub_offline() else "the Hugging Face hub is unreachable"
         raise ModelUnavailableError(
             f"{what}: '{ref}' is a hub model that is not in the local cache and {reason}. "
-            f"Download it where you have network access (huggingface-cli download {ref}) or use "
+            f"Download it where you have network access (hf download {ref}) or use "
             f"{OFFLINE_CHOICES}."
         )
     return ref
