@@ -206,6 +206,15 @@ class LayerMap(nn.Module):
                     theta[i, len(r.teachers) - 1] = 1.0
             self.register_buffer("mask", mask, persistent=False)
             self.phi = nn.Parameter(theta / self.lr_scale)
+        if strategy == "mean":
+            # 1/k per bucket as a buffer, so the weights move with the objective to the device once
+            # instead of being copied from host memory every step (a blocking copy on CUDA);
+            # float64 so that 1/k is exact enough for float64 representations
+            kmax = max(len(r.teachers) for r in self.rows)
+            mean = torch.zeros(len(self.rows), kmax, dtype=torch.float64)
+            for i, r in enumerate(self.rows):
+                mean[i, : len(r.teachers)] = 1.0 / len(r.teachers)
+            self.register_buffer("mean_weights", mean, persistent=False)
 
     # ---- what the rows look like
     @property
@@ -244,8 +253,8 @@ class LayerMap(nn.Module):
             chosen = dict(self.pairs_at(step))
             return [torch.tensor([float(t == chosen[r.student]) for t in r.teachers], dtype=torch.float64)
                     for r in self.rows]
-        if self.strategy == "mean":  # float64 so that 1/k is exact enough for float64 representations
-            return [torch.full((len(r.teachers),), 1.0 / len(r.teachers), dtype=torch.float64) for r in self.rows]
+        if self.strategy == "mean":  # on the objective's device already (a buffer)
+            return [self.mean_weights[i, : len(r.teachers)] for i, r in enumerate(self.rows)]
         if self.strategy == "learnable":
             w = self.theta().masked_fill(~self.mask, float("-inf")).softmax(-1)
             return [w[i, : len(r.teachers)] for i, r in enumerate(self.rows)]

@@ -3,9 +3,14 @@
 A training step must not wait for the accelerator: reading a value on the host (``.item()``,
 ``float(t)``, ``if t:``), or an op whose output shape depends on tensor values (boolean-mask
 indexing, ``nonzero``, ``unique``, ``masked_select``) makes the CPU stop until every queued kernel
-has run. Code where such a wait is wanted by design (logging, evaluation, checkpoints, fetching a
-batch) runs inside :func:`host_section`; :class:`SyncCounter` (tests) records every sync-forcing
-call made outside one.
+has run. So does a blocking host→device copy: a tensor made on the CPU (``torch.tensor(...)``, a
+weight kept on the CPU) copied to the device every step comes from pageable memory, which CUDA
+copies synchronously whatever ``non_blocking`` says, and a copy from pinned memory without
+``non_blocking=True`` waits for the stream. Code where such a wait is wanted by design (logging,
+evaluation, checkpoints, fetching a batch) runs inside :func:`host_section`; :class:`SyncCounter`
+(tests) records every sync-forcing call made outside one. Host→device copies are recorded as
+``h2d(pageable)`` / ``h2d(blocking)``; any non-CPU device counts as the device, so CPU tests can
+stand ``meta`` in for CUDA.
 """
 
 from __future__ import annotations
@@ -82,6 +87,52 @@ def _to_host(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(t, (str, torch.device)) and torch.device(t).type == "cpu" for t in targets)
 
 
+def _device_of(value: Any) -> torch.device | None:
+    """The device a ``to``/``copy`` target names (a device, its name, or a tensor), else None."""
+    if isinstance(value, torch.Tensor):
+        return value.device
+    if isinstance(value, torch.device):
+        return value
+    if isinstance(value, str):
+        try:
+            return torch.device(value)
+        except RuntimeError:  # a string that is not a device (a memory format's name, ...)
+            return None
+    return None
+
+
+def h2d_kind(src: Any, target: torch.device | None, non_blocking: bool) -> str | None:
+    """``h2d(pageable)`` / ``h2d(blocking)`` when copying ``src`` to ``target`` is a host→device copy
+    that makes the host wait, else None. Pinned memory copied with ``non_blocking=True`` does not wait."""
+    if not isinstance(src, torch.Tensor) or src.device.type != "cpu" or target is None or target.type == "cpu":
+        return None
+    if not src.is_pinned():
+        return "h2d(pageable)"
+    return None if non_blocking else "h2d(blocking)"
+
+
+def _h2d_call(name: str, args: tuple, kwargs: dict) -> str | None:
+    """The host→device copy a torch-level call makes the host wait for, or None."""
+    if name == "to" and args:
+        targets = [_device_of(t) for t in (*args[1:], kwargs.get("device"), kwargs.get("other"))]
+        target = next((t for t in targets if t is not None), None)
+        blocking = kwargs.get("non_blocking", any(a is True for a in args[1:]))
+        return h2d_kind(args[0], target, bool(blocking))
+    if name == "cuda" and args:
+        return h2d_kind(args[0], torch.device("cuda"), bool(kwargs.get("non_blocking", False)))
+    if name == "copy_" and len(args) > 1 and isinstance(args[0], torch.Tensor):
+        return h2d_kind(args[1], args[0].device, bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False)))
+    if name in ("tensor", "as_tensor", "asarray"):  # Python / CPU data placed on a device
+        target = _device_of(kwargs.get("device"))
+        data = args[0] if args else None
+        if target is None or target.type == "cpu":
+            return None
+        if isinstance(data, torch.Tensor):
+            return h2d_kind(data, target, False)
+        return f"{name}(h2d)"
+    return None
+
+
 def _repeats_tensor(args: tuple, kwargs: dict) -> bool:
     """``repeat_interleave`` with tensor repeats and no ``output_size`` (its size is data-dependent)."""
     if kwargs.get("output_size") is not None:
@@ -101,6 +152,9 @@ def function_sync(func: Callable, args: tuple, kwargs: dict) -> str | None:
         return "to(cpu)"
     if name == "repeat_interleave" and _repeats_tensor(args, kwargs):
         return name
+    copy = _h2d_call(name, args, kwargs)
+    if copy is not None:
+        return f"{name}: {copy}"
     return None
 
 
@@ -123,6 +177,12 @@ def dispatch_sync(func: Any, args: tuple, kwargs: dict) -> str | None:
     if name == "_to_copy" and args[0].device.type != "cpu" and kwargs.get("device") is not None \
             and torch.device(kwargs["device"]).type == "cpu":
         return "aten._to_copy(cpu)"
+    if name == "_to_copy" and kwargs.get("device") is not None:
+        copy = h2d_kind(args[0], torch.device(kwargs["device"]), bool(kwargs.get("non_blocking", False)))
+        return f"aten._to_copy: {copy}" if copy else None
+    if name == "copy_" and len(args) > 1 and isinstance(args[0], torch.Tensor):
+        copy = h2d_kind(args[1], args[0].device, bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False)))
+        return f"aten.copy_: {copy}" if copy else None
     return None
 
 
@@ -175,7 +235,8 @@ class _DispatchWatch(TorchDispatchMode):
 
 
 class SyncCounter:
-    """Records every sync-forcing call made (in this thread) outside :func:`host_section`.
+    """Records every sync-forcing call made (in this thread) outside :func:`host_section`, blocking
+    host→device copies included.
 
     ``events``: list of (name, location) — location is the innermost frame inside kdrun
     (``kdrun/losses/ckd.py:120 in ckd_loss``); ``count``: how many. One user call counts once
