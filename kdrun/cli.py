@@ -1,7 +1,9 @@
 """The ``kdrun`` command: Hydra composes and validates the config, then one run executes.
 
-Only light modules are imported at start-up so configuration mistakes are reported in about a
-second; torch, transformers and datasets load after the checks.
+Only light modules are imported at start-up, so the mistakes Hydra and the config schema catch (an
+unknown group, option or key, a value of the wrong type) are reported in about a second. torch loads
+when the run starts, before kdrun's own checks (preflight: task, objective, models); datasets loads
+during them and transformers after them.
 """
 
 from __future__ import annotations
