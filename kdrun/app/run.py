@@ -239,14 +239,14 @@ def _augmented_data(cfg: DictConfig, train_raw, tokenizer, tok_hash: str, span_e
 
 def make_tracker(session: Session):
     """metrics.jsonl (and wandb when configured), on the main process only."""
-    from kdrun.engine.checkpoints import checkpoint_dir
+    from kdrun.engine.checkpoints import has_checkpoint
     from kdrun.runtime.tracking import Tracker, wandb_run_id
 
     cfg = session.cfg
     run_name = cfg.run_name or f"{cfg.task.name}-{cfg.objective.name}-{cfg.student.name}"
     main, run_id = session.accelerator.is_main_process, None
     if main and cfg.logger.name == "wandb" and cfg.logger.mode != "disabled":  # the same wandb run only on a resume
-        resuming = bool(cfg.resume) and (checkpoint_dir(session.run_dir) / "state.json").exists()
+        resuming = bool(cfg.resume) and has_checkpoint(session.run_dir)
         run_id = wandb_run_id(session.run_dir, run_name, session.config_hash, resuming=resuming)
     return Tracker(session.run_dir, cfg.logger, session.resolved, run_name, enabled=main, run_id=run_id)
 
@@ -423,7 +423,7 @@ def train_stages(session: Session, parts, progress: dict[str, Any] | None = None
 
     t0 = time.perf_counter()
     run_dir = session.run_dir
-    state = load_checkpoint_state(run_dir, session.config_hash) if session.cfg.resume else None
+    state = load_checkpoint_state(run_dir, session.config_hash, session.accelerator) if session.cfg.resume else None
     ckpt = checkpoint_dir(run_dir)
     if state is not None:
         restore_models(parts, ckpt)

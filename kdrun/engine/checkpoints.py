@@ -1,7 +1,11 @@
 """Checkpoints: the training state, module weights, optimizer/scheduler and RNG states.
 
-``checkpoints/last`` holds everything a resume needs (replaced atomically); ``checkpoints/best``
-the best dev student so far. A resumed run continues bit for bit as if it had never stopped.
+``checkpoints/last`` holds everything a resume needs; ``checkpoints/best`` the best dev student so
+far. Both are swapped in whole (:func:`kdrun.runtime.cache.replace_dir`): a process killed between
+the swap's two renames leaves ``last.old`` (``best.old``), which the next resume puts back. A
+resumed run continues bit for bit as if it had never stopped. In a data-parallel run, rank 0 alone
+checks the checkpoints and sets a damaged one aside while the other processes wait; all then resume
+from what rank 0 decided.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +26,7 @@ from torch import nn
 
 from kdrun.engine.parts import RunParts
 from kdrun.errors import ConfigError, UserError
-from kdrun.runtime.cache import manifest_problem, staging_dir, write_json_atomic, write_manifest
+from kdrun.runtime.cache import manifest_problem, recover_dir, staging_dir, write_json_atomic, write_manifest
 
 
 @dataclass
@@ -147,10 +152,28 @@ def set_aside(ckpt: Path, problem: str, what: str) -> Path:
     return dest
 
 
-def load_checkpoint_state(run_dir: Path, config_hash: str) -> TrainState | None:
-    """The state to resume from, or None to start from the beginning (no checkpoint, or a damaged
-    one, which is moved aside)."""
+def best_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / "best"
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether a resume finds a checkpoint (also one that a cut swap left as ``last.old``)."""
     ckpt = checkpoint_dir(run_dir)
+    return (ckpt / "state.json").exists() or (ckpt.with_name(ckpt.name + ".old") / "state.json").exists()
+
+
+def _settle(run_dir: Path, config_hash: str) -> dict[str, Any] | None:
+    """What to resume from, decided by one process: ``{"state": ...}``, ``{"error": ...}`` or None
+    (start from the beginning). Puts back a checkpoint that a cut swap left as ``.old``, removes
+    staging directories a killed save left, and moves a damaged ``last`` aside. A damaged ``best``
+    is set aside too; when ``last`` refers to it (the best student so far cannot be recomputed
+    without training again), ``last`` goes with it and the run starts over, ending as it would have."""
+    ckpt, best = checkpoint_dir(run_dir), best_dir(run_dir)
+    for d in (ckpt, best):
+        if recover_dir(d):
+            print(f"[kdrun] {d} was being replaced when the run stopped; the previous one is put back", flush=True)
+        for tmp in d.parent.glob(f".{d.name}.tmp-*"):  # a save cut short (one writer per run directory)
+            shutil.rmtree(tmp, ignore_errors=True)
     if not ckpt.exists():
         return None
     problem = manifest_problem(ckpt)
@@ -160,11 +183,39 @@ def load_checkpoint_state(run_dir: Path, config_hash: str) -> TrainState | None:
     meta = json.loads((ckpt / "state.json").read_text())
     meta.pop("metrics_bytes", None)
     if meta.pop("config_hash") != config_hash:
-        raise ConfigError(
-            f"{ckpt} belongs to a run with a different configuration; use a new run directory "
-            "(hydra.run.dir=...) or resume=false to start over"
-        )
-    return TrainState(**meta)
+        return {"error": f"{ckpt} belongs to a run with a different configuration; use a new run directory "
+                         "(hydra.run.dir=...) or resume=false to start over"}
+    best_problem = manifest_problem(best) if best.exists() else None
+    if best_problem is not None and meta.get("best_step") is None:  # saved after last: the resume redoes it
+        set_aside(best, best_problem, f"{ckpt} does not need it (the resumed run saves it again)")
+    elif best_problem is not None:
+        dest = ckpt.with_name(f"{ckpt.name}.unusable-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        os.replace(ckpt, dest)  # resuming it would end without the best student
+        set_aside(best, best_problem, f"the best student so far cannot be recomputed from {ckpt} (moved to "
+                                      f"{dest}), so the run starts over from the beginning")
+        return None
+    return {"state": meta}
+
+
+def load_checkpoint_state(run_dir: Path, config_hash: str, accelerator: Any = None) -> TrainState | None:
+    """The state to resume from, or None to start from the beginning (no checkpoint, or a damaged
+    one, which is moved aside). ``accelerator``: a data-parallel run's (every process calls this);
+    rank 0 decides alone while the others wait, then tells them."""
+    multi = accelerator is not None and accelerator.num_processes > 1
+    decision = _settle(run_dir, config_hash) if not multi or accelerator.is_main_process else None
+    if multi:
+        from accelerate.utils import broadcast_object_list
+
+        accelerator.wait_for_everyone()  # rank 0 has put back or moved aside what it had to
+        decision = broadcast_object_list([decision], from_process=0)[0]
+        if decision is not None and "state" in decision and not (checkpoint_dir(run_dir) / "state.json").exists():
+            raise UserError(f"process {accelerator.process_index} cannot see {checkpoint_dir(run_dir)}, which rank 0 "
+                            "resumes from: put output_dir on a file system every process shares")
+    if decision is None:
+        return None
+    if "error" in decision:
+        raise ConfigError(decision["error"])
+    return TrainState(**decision["state"])
 
 
 def rewind_metrics_log(run_dir: Path) -> None:
@@ -207,7 +258,7 @@ def seed_for_rank(seed: int, rank: int) -> None:
 def save_best(parts: RunParts, state: TrainState) -> None:
     if not parts.accelerator.is_main_process:
         return
-    final = parts.run_dir / "checkpoints" / "best"
+    final = best_dir(parts.run_dir)
     with staging_dir(final) as tmp:
         save_module(parts.accelerator.unwrap_model(parts.student), tmp / "student.safetensors")
         write_json_atomic(tmp / "best.json", {"metric": state.best_metric, "stage": state.best_stage,

@@ -97,16 +97,41 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str))
 
 
+def previous_dir(final_dir: Path) -> Path:
+    """Where :func:`replace_dir` keeps the replaced ``final_dir`` while it swaps the new one in."""
+    return final_dir.with_name(final_dir.name + ".old")
+
+
+def _discard_dir(path: Path) -> None:
+    """Remove ``path`` so that it is either whole or absent at every moment: renamed out of the way
+    (one atomic step) first, then deleted. Leftovers of a deletion that was cut short are removed too."""
+    if path.exists():
+        os.replace(path, path.with_name(f".{path.name}.trash-{os.getpid()}-{time.monotonic_ns()}"))
+    for trash in path.parent.glob(f".{path.name}.trash-*"):
+        shutil.rmtree(trash, ignore_errors=True)
+
+
 def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
-    """Swap ``tmp_dir`` in as ``final_dir`` (the old one, if any, is removed after the swap)."""
-    old = final_dir.with_name(final_dir.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
+    """Swap ``tmp_dir`` in as ``final_dir``; a process killed at any point of the swap leaves a
+    whole ``final_dir`` or, between the two renames, a whole ``final_dir.old`` that
+    :func:`recover_dir` puts back (the old copy is never deleted while it is the only one)."""
+    old = previous_dir(final_dir)
     if final_dir.exists():
+        _discard_dir(old)  # final_dir is whole: an older copy is not needed
         os.replace(final_dir, old)
+    # (else an earlier swap was cut between its renames: old is the only copy until tmp_dir is in)
     os.replace(tmp_dir, final_dir)
-    if old.exists():
-        shutil.rmtree(old)
+    _discard_dir(old)
+
+
+def recover_dir(final_dir: Path) -> bool:
+    """Put ``final_dir.old`` back as ``final_dir`` when a :func:`replace_dir` was cut between its
+    two renames (``final_dir`` missing); True when it did."""
+    old = previous_dir(final_dir)
+    if final_dir.exists() or not old.exists():
+        return False
+    os.replace(old, final_dir)
+    return True
 
 
 def _publish(tmp: Path, final_dir: Path) -> None:
