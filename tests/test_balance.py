@@ -101,3 +101,48 @@ def test_unknown_balance_method_is_refused_naming_the_key(run_cfg) -> None:
 
     with pytest.raises(ConfigError, match="objective.balance='gradnrom'"):
         preflight(run_cfg("objective=ckd", "objective.balance=gradnrom"))
+
+
+def _fp16_terms(scaled: bool | None):
+    """A shared layer W in a model run under fp16 autocast (``None``: fp32), and two summands on its
+    fp16 output as the objective computes them (fp32, outside autocast): one ordinary, one 1e-4 as
+    large whose per-element gradient (~1e-9) is below fp16's smallest subnormal (6e-8)."""
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(64, 32, 16, generator=g), torch.randn(64, 32, 16, generator=g)
+    layer = torch.nn.Linear(16, 16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(16, 16, generator=g) / 4)
+        layer.bias.zero_()
+    with torch.autocast("cpu", dtype=torch.float16, enabled=scaled is not None):
+        h = layer(x)
+    h = h.float()
+    summands = [(h - t).pow(2).mean(), 1e-4 * (h - 0.5 * t).pow(2).mean()]
+    bal = Balancer("gradnorm", {0: ["big", "tiny"]}, alpha=1.5)
+    if scaled:
+        from kdrun.runtime.precision import Precision
+
+        prec = Precision("fp16", "cpu")
+        bal.grad_scale = lambda: prec.scale_tensor("cpu")
+    return bal, summands, list(layer.parameters())
+
+
+def test_gradnorm_amp_fp16_measures_gradients_scaled_like_the_backward() -> None:
+    from kdrun.engine.balance import _grad_norm
+
+    ref_bal, ref_s, ref_w = _fp16_terms(None)
+    ref = [float(_grad_norm(s, ref_w)) for s in ref_s]
+    assert ref[1] > 1e-6  # in fp32 the tiny term has a gradient on W
+    naive_bal, naive_s, naive_w = _fp16_terms(False)
+    # unscaled fp16: nearly every per-element gradient flushed to zero (99% of the norm lost)
+    assert float(_grad_norm(naive_s[1], naive_w)) < 0.01 * ref[1]
+    bal, s, w = _fp16_terms(True)
+    scale = bal.grad_scale()
+    assert float(scale) == 2.0 ** 16  # GradScaler's initial scale, no scaled backward yet
+    got = [float(_grad_norm(x, w, scale)) for x in s]
+    assert got == pytest.approx(ref, rel=0.02)  # fp16 activations: within 2% of fp32's norms
+    # the factors' gradient (GradNorm's own loss) follows fp32's; unscaled it does not
+    for b, sums in ((ref_bal, ref_s), (bal, s), (naive_bal, naive_s)):
+        b.combine(0, sums, w if b is not ref_bal else ref_w).backward()
+    want = ref_bal.factors["stage0"].grad
+    torch.testing.assert_close(bal.factors["stage0"].grad, want, rtol=0.03, atol=0)
+    assert not torch.allclose(naive_bal.factors["stage0"].grad, want, rtol=0.3)

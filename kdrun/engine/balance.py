@@ -13,13 +13,18 @@ default, bit for bit). The other methods multiply each summand by a factor learn
   factors get their gradient only from Σ_i |G_i − target_i| (targets held constant), and are
   renormalised before each forward. W is the student's last encoder layer
   (``Objective.balance_params``, set by the trainer); without it (evaluation) the current factors
-  are used as they are.
+  are used as they are. Under fp16 each ‖∇_W S_i‖ is taken of S_i times the run's loss scale and
+  divided by it (``Balancer.grad_scale``, set by the trainer), as the training backward is: unscaled,
+  the per-token gradients of a small summand (~1e-10) flush to zero in fp16 activations and the
+  balance would silently stop moving.
 
 The factors are parameters of the objective (optimised with the stage's objective lr, checkpointed),
 and are logged as ``objective/balance/<term>``. Nothing reads a device value on the host.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
@@ -41,6 +46,9 @@ class Balancer(nn.Module):
                                          for s, k in self.keys.items()})
         for s, k in self.keys.items():  # GradNorm's S_i(0), NaN until the stage's first step
             self.register_buffer(f"initial{s}", torch.full((len(k),), float("nan")))
+        # The run's fp16 loss scale as a device tensor (None: no scaling); read when GradNorm measures
+        # gradients (kdrun.runtime.precision.Precision.scale_tensor, set by the trainer).
+        self.grad_scale: Callable[[], torch.Tensor | None] | None = None
 
     def balances(self, stage: int) -> bool:
         return stage in self.keys
@@ -73,7 +81,8 @@ class Balancer(nn.Module):
         if shared is None or not torch.is_grad_enabled():
             return total
         # ‖∇_W S_i‖, constants; a non-finite norm (an fp16 overflow) counts as 0 for this step
-        norms = torch.nan_to_num(torch.stack([_grad_norm(x, shared) for x in summands]), nan=0.0, posinf=0.0)
+        scale = self.grad_scale() if self.grad_scale is not None else None
+        norms = torch.nan_to_num(torch.stack([_grad_norm(x, shared, scale) for x in summands]), nan=0.0, posinf=0.0)
         initial = getattr(self, f"initial{stage}")
         initial.copy_(torch.where(torch.isnan(initial), s.detach(), initial))
         # a loss rounded to just below 0 (a KL of identical distributions) must not make r_i^α NaN
@@ -85,9 +94,16 @@ class Balancer(nn.Module):
         return total + (grad_loss - grad_loss.detach())  # the value is the loss; w also gets grad_loss's gradient
 
 
-def _grad_norm(value: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+def _grad_norm(value: torch.Tensor, params: list[torch.Tensor], scale: torch.Tensor | None = None) -> torch.Tensor:
+    """‖d value / d params‖ (fp32 scalar). ``scale`` (the fp16 loss scale, a device tensor): the
+    gradient is taken of ``value * scale`` and its norm divided by ``scale``, so that gradients
+    flowing through fp16 activations do not underflow; no host read."""
     if not value.requires_grad:
         return value.new_zeros(())
-    grads = torch.autograd.grad(value, params, retain_graph=True, allow_unused=True)
+    grads = torch.autograd.grad(value * scale if scale is not None else value, params, retain_graph=True,
+                                allow_unused=True)
     sq = [g.float().pow(2).sum() for g in grads if g is not None]
-    return torch.stack(sq).sum().sqrt() if sq else value.new_zeros(())
+    if not sq:
+        return value.new_zeros(())
+    norm = torch.stack(sq).sum().sqrt()
+    return norm / scale.float() if scale is not None else norm

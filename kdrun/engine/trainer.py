@@ -318,6 +318,8 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
 
         last = encoder_layers(acc.unwrap_model(parts.student))[-1]
         parts.objective.balance_params = [p for p in last.parameters() if p.requires_grad]
+        # under fp16 its per-term gradients are measured scaled, like the training backward
+        parts.objective.balancer.grad_scale = lambda: acc.precision.scale_tensor(acc.device)
     scheduler = make_scheduler(plan, tcfg, optimizer, total_steps)
     meter = _Meter()
     if resume_from is not None:

@@ -96,6 +96,17 @@ class Precision:
         self.scaler.step(optimizer)
         self.scaler.update()
 
+    def scale_tensor(self, device: torch.device | str) -> torch.Tensor | None:
+        """The current loss scale as a tensor on ``device`` without a host read (None without a
+        scaler): for gradients measured inside the step (GradNorm), scaled as the backward is."""
+        if self.scaler is None:
+            return None
+        get = getattr(self.scaler, "_get_scale_async", None)
+        current = get() if get is not None else getattr(self.scaler, "_scale", None)
+        if current is None:  # before the first scaled backward: the initial scale, a host number
+            return torch.full((), float(self.scaler.get_scale()), device=device)
+        return current
+
     def loss_scale(self) -> float:
         """The current loss scale (a host read: logging steps only)."""
         return float(self.scaler.get_scale()) if self.scaler is not None else 1.0
