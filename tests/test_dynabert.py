@@ -262,6 +262,68 @@ def test_adaptive_step_equals_sum_of_separate_subnetworks(objective: str, phase:
         torch.testing.assert_close(rec.grads[name], g, atol=2e-6, rtol=1e-4, msg=name)
 
 
+def _engine_step_grads(student: nn.Module, wrap=None) -> tuple[dict[str, torch.Tensor], int]:
+    """One engine step of phase 3 (4 widths x 3 depths) on ``student`` (``wrap``: a DDP wrapper
+    factory); the gradients the optimizer gets and how many times DDP all-reduced them (comm-hook
+    calls for the first bucket: one per synchronised backward)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from kdrun.engine.objective import Objective, plan_stages
+    from kdrun.engine.trainer import FiniteWatch, train_step
+    from kdrun.models.loading import describe
+    from kdrun.models.mapping import MappingSpec
+    from kdrun.runtime.precision import make_kd_accelerator
+    from kdrun.strategies.dynabert.train import AdaptiveStage
+
+    cfg = compose(["objective=dynabert"])
+    plans = plan_stages(cfg.objective)
+    objective_m = Objective(plans, MappingSpec.from_config(cfg.mapping), 2, describe(student), describe(student))
+    stage = AdaptiveStage("depth", [1.0, 0.75, 0.5, 0.25], [1.0, 0.75, 0.5])
+    stage.teacher = copy.deepcopy(student).eval().requires_grad_(False)
+    stage.pairs = [(i, i) for i in range(5)]
+    rounds = []
+    model = student
+    if wrap is not None:
+        model = wrap(student)
+
+        def counting(state, bucket):
+            rounds.append(bucket.index())
+            return default_hooks.allreduce_hook(None, bucket)
+
+        model.register_comm_hook(None, counting)
+    rec = _Recorder(student)
+    parts = SimpleNamespace(accelerator=make_kd_accelerator(True, "no"), student=model, teacher=None,
+                            objective=objective_m, world_size=1, train_cfg=SimpleNamespace(max_grad_norm=0.0))
+    loop = SimpleNamespace(plan=plans[1], optimizer=rec, strategy=stage, watch=FiniteWatch(), teacher_table=None,
+                           store=None)
+    train_step(parts, loop, batch(n=4, length=11), SimpleNamespace(global_step=0, stage_step=0))
+    assert rec.steps == 1
+    return rec.grads, rounds.count(0)
+
+
+def test_ddp_dynabert_all_reduces_once_per_step_not_once_per_subnetwork() -> None:
+    """A process group of one over gloo: the 12 sub-network passes of a phase-3 step accumulate their
+    gradients locally (``no_sync``) and the last pass's backward all-reduces them once; the gradients
+    are those of the same step without DDP."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    base = tiny_bert(seed=0).train()
+    plain, _ = _engine_step_grads(copy.deepcopy(base))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29900 + os.getpid() % 90))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        grads, rounds = _engine_step_grads(copy.deepcopy(base),
+                                           lambda m: DDP(m, find_unused_parameters=True, broadcast_buffers=False))
+    finally:
+        dist.destroy_process_group()
+    assert rounds == 1, f"{rounds} all-reduces in one step of 12 sub-network passes"
+    assert set(grads) == set(plain)
+    for name, g in plain.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
 # ------------------------------------------------------------------------------------------- counts
 
 def test_param_and_flop_counts_by_hand() -> None:

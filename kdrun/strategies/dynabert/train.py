@@ -11,6 +11,8 @@ A stage whose ``adaptive.phase`` is set trains one network at several sizes. For
   ``backward``.
 
 Gradients of all sub-networks accumulate, then one clipped optimizer step (one scheduler step).
+Under DDP every pass but the last runs inside the wrapper's ``no_sync``: the gradients of all
+sub-networks are all-reduced once per step, with the last pass's backward, not once per pass.
 The loss of each sub-network is the stage's objective, so any label-free kdrun objective can be
 used; in phase 3 the hidden state after each kept layer is matched with the teacher's after the
 same layer (:func:`kdrun.strategies.dynabert.subnet.subnet_pairs`; the embeddings with the embeddings when the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,10 +58,14 @@ class AdaptiveStage:
         """Algorithm 1's inner loops for one batch, as a strategy of kdrun's training step: yield
         each sub-network's (loss, values); the engine runs its backward, and one optimizer step
         follows the last one."""
+        from torch.nn.parallel import DistributedDataParallel
+
         from kdrun.engine.trainer import objective_loss, teacher_features
 
         acc, plan = parts.accelerator, loop.plan
         student = acc.unwrap_model(parts.student)
+        ddp = parts.student if isinstance(parts.student, DistributedDataParallel) else None
+        remaining = len(self.widths) * len(self.depths)
         shared = teacher_features(parts, loop, batch) if self.teacher is None else None
         for width in self.widths:
             t_feats: Features | None = shared
@@ -66,11 +73,15 @@ class AdaptiveStage:
                 with torch.no_grad(), acc.autocast(), subnetwork(self.teacher, width, 1.0):
                     t_feats = extract_features(self.teacher, batch, plan.teacher_needs)
             for depth in self.depths:
-                with acc.autocast(), subnetwork(student, width, depth) as sub:
-                    s_feats = extract_features(parts.student, batch, plan.student_needs)
-                    pairs = subnet_pairs(self.pairs, sub["layers"]) if self.pairs is not None else None
-                loss, values = objective_loss(parts, loop, batch, state, s_feats, t_feats, layer_pairs=pairs)
-                yield loss, {**values, f"subnet/w{width:g}_d{depth:g}": loss.detach()}
+                remaining -= 1
+                # forward and backward (run by the engine while this generator waits at the yield)
+                # of every pass but the last accumulate locally; the last one all-reduces them all
+                with ddp.no_sync() if ddp is not None and remaining else nullcontext():
+                    with acc.autocast(), subnetwork(student, width, depth) as sub:
+                        s_feats = extract_features(parts.student, batch, plan.student_needs)
+                        pairs = subnet_pairs(self.pairs, sub["layers"]) if self.pairs is not None else None
+                    loss, values = objective_loss(parts, loop, batch, state, s_feats, t_feats, layer_pairs=pairs)
+                    yield loss, {**values, f"subnet/w{width:g}_d{depth:g}": loss.detach()}
 
     def combine(self, results: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]):
         """(sum of the sub-networks' losses, each term's mean over sub-networks and each
