@@ -334,6 +334,13 @@ class LoggerConfig:
 
 
 @dataclass
+class ReportConfig:
+    # Measure the student's and the teacher's parameters, size, latency and throughput on the run's
+    # device and dev rows (results.json ``cost``, the printed table, the model card; a few seconds).
+    cost: bool = True
+
+
+@dataclass
 class TrainConfig:
     # The top-level ``seed`` (``kdrun seed=1``; sweeps over seeds use it).
     seed: int = II("seed")
@@ -395,6 +402,7 @@ class KdrunConfig:
     spans: SpansConfig = field(default_factory=SpansConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     sweep: Dict[str, Any] = field(default_factory=dict)
     launcher: Dict[str, Any] = field(default_factory=dict)
     # Where fine-tuned teachers and other expensive, deterministic artefacts are cached.
@@ -441,7 +449,7 @@ def _short_hash(text: str) -> str:
 
 
 # Overrides that do not change what a sweep computes (they are also left out of job directory names).
-NON_IDENTITY_KEYS = ("resume", "logger", "train.device", "train.num_threads", "hydra.", "launcher")
+NON_IDENTITY_KEYS = ("resume", "logger", "train.device", "train.num_threads", "hydra.", "launcher", "report")
 
 
 def sweep_name(overrides: list[str]) -> str:

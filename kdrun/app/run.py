@@ -60,7 +60,7 @@ def _start_over(run_dir: Path) -> None:
 def run_config_hash(resolved: dict[str, Any]) -> str:
     """Identity of a run's configuration for its checkpoints: everything that changes the result
     (tracking settings, ``resume`` and the ``train.stop_after_steps`` testing aid do not)."""
-    keep = {k: v for k, v in resolved.items() if k not in ("resume", "logger", "output_dir", "run_name")}
+    keep = {k: v for k, v in resolved.items() if k not in ("resume", "logger", "output_dir", "run_name", "report")}
     keep["train"] = without_default_optim({k: v for k, v in keep.get("train", {}).items()
                                            if k not in ("stop_after_steps", "num_threads")})
     if not (keep.get("task") or {}).get("imports", True):  # no task.imports: as before the key existed
@@ -112,6 +112,10 @@ def _print_table(summary: dict[str, Any]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
     for note in filter(None, [describe(base), *noise_warnings(summary)]):
         print(note)
+    from kdrun.report.cost import cost_lines
+
+    for line in cost_lines(summary.get("cost")):
+        print(line)
     t = summary["timings"]
     teacher = summary["teacher"]
     if teacher.get("path") or teacher.get("source"):
@@ -477,9 +481,14 @@ def write_outputs(session: Session, data: RunData, models: Models, parts, state,
     if subnets is not None:
         summary["subnetworks"] = subnets
     if acc.is_main_process:
+        if session.cfg.report.cost:
+            summary["cost"] = measure_cost(session, data, models)
         with staging_dir(session.run_dir / "student") as tmp:
             acc.unwrap_model(models.student).save_pretrained(tmp)
             data.tokenizer.save_pretrained(tmp)
+            from kdrun.report.card import write_card
+
+            write_card(tmp, summary)
         session.tracker.summary({f"final/{s}/{k}": v for s, m in final_metrics.items() for k, v in m.items()})
         hint = session.tracker.finish()
         write_json_atomic(session.run_dir / "results.json", summary)
@@ -490,6 +499,24 @@ def write_outputs(session: Session, data: RunData, models: Models, parts, state,
         if hint:
             print(f"wandb (offline): {hint}")
     return summary
+
+
+def measure_cost(session: Session, data: RunData, models: Models) -> dict[str, Any]:
+    """results.json's ``cost`` (kdrun.report.cost): the student and the teacher on the run's device and
+    first dev split; a failure is recorded, never fatal."""
+    import torch
+
+    from kdrun.report.cost import run_cost
+
+    acc, cfg = session.accelerator, session.cfg
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.student.dtype)
+    try:
+        return run_cost(acc.unwrap_model(models.student), models.teacher, next(iter(data.eval.values())),
+                        cfg.train.eval_batch_size, data.tokenizer.pad_token_id, str(acc.device), dtype,
+                        acc.precision.autocast)
+    except Exception as e:  # noqa: BLE001 - the scores stand without the cost figures
+        print(f"[kdrun] warning: cost not measured: {type(e).__name__}: {e}")
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def _best_value(cfg: DictConfig, state) -> float | None:
@@ -520,6 +547,7 @@ def _summary(session: Session, data: RunData, models: Models, state, final_metri
         "layer_pairs": models.objective.layer_pairs,
         "teacher_forward": dict(session.teacher_forwards),
         "augmentation": aug,
+        "data": {"train_rows": len(data.train), "eval_rows": {s: len(d) for s, d in data.eval.items()}},
         "baseline": run_baseline(cfg.task, data.train, data.eval),
         "timings": {"total_s": time.perf_counter() - session.t_start, "data_s": data.seconds,
                     "teacher_s": models.teacher_s, "stages_s": stages_s},

@@ -151,6 +151,7 @@ RUN_NOT_IN_KEY = {
     "augmentation": "the teacher trains on the original training split only",
     "spans": "MGSKD spans; the teacher's CE loss ignores them",
     "logger": "the teacher's fine-tuning logs nothing (fine_tune_teacher)",
+    "report": "what the run measures after training (kdrun.report.cost)",
     "sweep": "launching only", "launcher": "launching only",
     "cache_dir": "where the cache is", "resume": "the student's checkpoints",
     "output_dir": "where the run writes", "run_name": "a label",

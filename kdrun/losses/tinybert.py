@@ -15,9 +15,18 @@ widths are equal.
 
 Padding (``padding`` of ``tinybert_attention`` with ``loss=mse``): ``exclude`` (default) averages over
 the (real query, real key) entries only, so results do not depend on how much a batch is padded;
-``tinybert`` reproduces the official code: entries of padded keys are zeroed in both maps (the
-official code zeroes scores <= -100 left by its additive -10000 mask), padded query rows are
-kept, and the mean runs over all B·h·n·n entries.
+``tinybert`` reproduces the official code: entries of padded keys are zeroed in both maps, and so
+is any score <= -100 (the official code zeroes scores <= -100, which its additive -10000 mask
+leaves at padded keys, each map on its own), padded query rows are kept, and the mean runs over all
+B·h·n·n entries.
+
+Reduction (``reduction`` of ``tinybert_embedding`` and ``tinybert_hidden``): ``tokens`` (default)
+averages the squared errors over the real tokens' entries; ``all`` reproduces the official code's
+``MSELoss()``: the mean over all B·n·d entries, padded positions included.
+
+``tinybert_soft_ce``: the official code's prediction loss, ``mean(-p_t log p_s)`` over the batch
+*and* the classes (``soft_ce`` sums over the classes: C times larger); MSE of outputs for
+regression, as ``soft_ce``.
 
 Objective (conf/objective/tinybert.yaml): stage 1 = embedding + 2a·hidden + 2(1−a)·attention
 (a = 0.5: TinyBERT's equal weights); stage 2 = ``soft_ce`` at T.
@@ -28,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kdrun.losses.hidden import masked_mean
 from kdrun.losses.layerwise import (
@@ -45,11 +55,15 @@ from kdrun.losses.layerwise import (
     projection_check,
     projection_module,
 )
-from kdrun.losses.registry import LossContext, Params, param, register_loss
+from kdrun.losses.prediction import prediction_rows, regression_mse
+from kdrun.losses.registry import LossContext, Params, param, positive, register_loss
 from kdrun.models.features import Features, fp32
 
 ATTENTION_LOSSES = ("mse", "kl")
 PADDING = ("exclude", "tinybert")
+REDUCTIONS = ("tokens", "all")
+# The official code's attention scores carry an additive -10000 mask; it zeroes every entry <= -100.
+OFFICIAL_SCORE_FLOOR = -100.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,7 @@ class TinyProjection(ProjectionParams):
 
     objective = "tinybert"
     projection: str = param("shared", choices=PROJECTIONS)
+    reduction: str = param("tokens", choices=REDUCTIONS)
 
 
 def _share_projection(p: TinyProjection) -> str:
@@ -80,7 +95,14 @@ def tinybert_embedding(s: Features, t: Features, batch, ctx: LossContext, p: Tin
     es = fp32(s.require("hidden_states")[0])
     if ctx.module is not None:
         es = fp32(ctx.module(es, 0))
-    return masked_mean((es - fp32(t.require("hidden_states")[0])) ** 2, s.attention_mask)
+    return _mse(es, fp32(t.require("hidden_states")[0]), s.attention_mask, p.reduction)
+
+
+def _mse(xs: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Squared error of (B, n, d) states: mean over real tokens (``tokens``) or all B·n·d entries (``all``)."""
+    if reduction == "all":
+        return ((xs - target) ** 2).mean()
+    return masked_mean((xs - target) ** 2, mask)
 
 
 @register_loss("tinybert_hidden", params=TinyProjection, needs={"hidden_states"}, map_kinds=LAYER_MAP_KINDS,
@@ -89,7 +111,7 @@ def tinybert_hidden(s: Features, t: Features, batch, ctx: LossContext, p: TinyPr
     """TinyBERT hidden loss: Σ_j MSE(H_s^j W, mapped teacher hidden states) over real tokens."""
     total = s.attention_mask.new_zeros((), dtype=torch.float32)
     for _, xs, tgt in mapped(s, t, ctx, lambda h: h, ctx.module, embeddings=False):
-        total = total + masked_mean((xs - tgt) ** 2, s.attention_mask)
+        total = total + _mse(xs, tgt, s.attention_mask, p.reduction)
     return total
 
 
@@ -113,8 +135,10 @@ def attention_mse(ss: torch.Tensor, st: torch.Tensor, mask: torch.Tensor, paddin
     m = mask.bool()
     ss, st = fp32(ss), fp32(st)  # squares of fp32 differences, whatever the scores' dtype
     if padding == "tinybert":
-        key = m[:, None, None, :]
-        return ((ss.masked_fill(~key, 0.0) - st.masked_fill(~key, 0.0)) ** 2).mean()
+        pad_key = ~m[:, None, None, :]
+        ss = ss.masked_fill(pad_key | (ss <= OFFICIAL_SCORE_FLOOR), 0.0)
+        st = st.masked_fill(pad_key | (st <= OFFICIAL_SCORE_FLOOR), 0.0)
+        return ((ss - st) ** 2).mean()
     valid = (m[:, None, :, None] & m[:, None, None, :]).expand_as(ss)
     return masked_average((ss - st) ** 2, valid)
 
@@ -139,3 +163,19 @@ def tinybert_attention(s: Features, t: Features, batch, ctx: LossContext, p: Att
                                  step=ctx.step, weights=weights)  # a mixture of distributions
             total = total + attention_kl(masked_log_softmax(scores_s, mask), target, mask)
     return total
+
+
+@dataclass(frozen=True)
+class SoftCeParams(Params):
+    temperature: float = param(1.0, check=positive)
+
+
+@register_loss("tinybert_soft_ce", params=SoftCeParams)
+def tinybert_soft_ce(s: Features, t: Features, batch, ctx: LossContext, p: SoftCeParams) -> torch.Tensor:
+    """TinyBERT's official prediction loss: mean over rows *and* classes of -softmax(z_t/T) log softmax(z_s/T)
+    (``soft_ce`` / C); MSE of the (B, 1) outputs for regression."""
+    if ctx.regression:
+        return regression_mse(s.logits, t.logits)
+    zs, zt = prediction_rows(s), prediction_rows(t)
+    pt = F.softmax(zt / p.temperature, dim=-1)
+    return -(pt * F.log_softmax(zs / p.temperature, dim=-1)).mean()

@@ -18,7 +18,7 @@ IGNORED_PREFIXES = (
     "seed", "train.seed", "run_name", "output_dir", "cache_dir", "resume", "logger.", "train.device",
     "train.num_workers", "train.num_threads", "train.eval_batch_size", "train.stop_after_steps",
     "train.checkpoint_every_steps",
-    "sweep", "launcher", "task.data_dir", "task.data_files", "objective.stages", "hydra",
+    "sweep", "launcher", "report", "task.data_dir", "task.data_files", "objective.stages", "hydra",
 )
 GLUE_ORDER = ["cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli", "toy"]
 

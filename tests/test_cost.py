@@ -1,0 +1,124 @@
+"""The cost figures beside every score (kdrun/report/cost.py): hand-counted parameters, the weight
+bytes of the written safetensors file, warm-up-free medians, the timed inputs, and a run's results.json
+and printed table."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdrun.report import cost as C
+
+
+def tiny_bert(masked_lm: bool = False):
+    from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=100, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=16, max_position_embeddings=32, type_vocab_size=2, num_labels=2)
+    torch.manual_seed(0)
+    return (BertForMaskedLM if masked_lm else BertForSequenceClassification)(config).eval()
+
+
+def safetensors_payload(path: Path) -> int:
+    """Bytes of the tensors in a safetensors file: its size less the 8-byte length and the JSON header."""
+    with open(path, "rb") as f:
+        (header,) = struct.unpack("<Q", f.read(8))
+    return path.stat().st_size - 8 - header
+
+
+def test_parameters_counted_by_hand() -> None:
+    # embeddings: words 100x8, positions 32x8, token types 2x8, LayerNorm 2x8 = 1088
+    # layer: Q, K, V, O 4x(8x8+8) = 288, LayerNorm 16, FFN 8x16+16 + 16x8+8 = 280, LayerNorm 16 = 600
+    # pooler 8x8+8 = 72, classifier 8x2+2 = 18
+    counts = C.count_parameters(tiny_bert())
+    assert counts == {"total": 1088 + 600 + 72 + 18, "without_embeddings": 600 + 72 + 18}
+
+
+def test_tied_weights_are_counted_once() -> None:
+    model = tiny_bert(masked_lm=True)
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    naive = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert C.count_parameters(model)["total"] == naive
+
+
+@pytest.mark.parametrize("masked_lm", [False, True])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_weights_bytes_is_the_safetensors_payload(tmp_path: Path, dtype, masked_lm: bool) -> None:
+    model = tiny_bert(masked_lm)
+    expected = C.weights_bytes(model, dtype)
+    (model if dtype is None else model.to(dtype)).save_pretrained(tmp_path)
+    assert expected == safetensors_payload(tmp_path / "model.safetensors")
+
+
+def test_median_excludes_warmup_and_respects_budget() -> None:
+    calls: list[int] = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.05 if len(calls) <= 2 else 0.001)  # the two warm-up calls are slow
+
+    median, n = C.median_seconds(fn, repeats=7, warmup=2, budget_s=10.0)
+    assert n == 7 and len(calls) == 9
+    assert median < 0.02
+    calls.clear()
+    _, n = C.median_seconds(fn, repeats=50, warmup=2, budget_s=0.0)  # budget spent: the minimum
+    assert n == C.MIN_REPEATS and len(calls) == 2 + C.MIN_REPEATS
+
+
+def test_inputs_are_the_median_row_and_the_first_batch() -> None:
+    rows = [{"input_ids": list(range(10, 10 + n)), "attention_mask": [1] * n, "token_type_ids": [0] * n}
+            for n in (5, 9, 3, 7, 9)]
+    inputs = C.cost_inputs(rows, batch_size=3, pad_token_id=0)
+    assert inputs["length"] == 7  # lengths 3 5 7 9 9: the median
+    assert inputs["single"]["input_ids"].tolist() == [list(range(10, 17))]
+    batch = inputs["batch"]
+    assert inputs["batch_rows"] == 3 and inputs["batch_length"] == 9
+    for i, n in enumerate((5, 9, 3)):  # padded as a naive loop would
+        assert batch["input_ids"][i].tolist() == list(range(10, 10 + n)) + [0] * (9 - n)
+        assert batch["attention_mask"][i].tolist() == [1] * n + [0] * (9 - n)
+
+
+def test_run_cost_ratios_and_lines() -> None:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    teacher = BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=4,
+                                                       num_attention_heads=2, intermediate_size=64)).eval()
+    student = tiny_bert()
+    rows = [{"input_ids": [2] * n, "attention_mask": [1] * n} for n in (6, 8, 10)]
+    cost = C.run_cost(student, teacher, rows, batch_size=2, pad_token_id=0, device="cpu", budget_s=0.05)
+    assert cost["threads"] == torch.get_num_threads() and cost["throughput_batch"] == 2
+    r = cost["ratios"]
+    assert r["smaller"] == pytest.approx(cost["teacher"]["total"] / cost["student"]["total"])
+    assert r["faster"] == pytest.approx(cost["teacher"]["latency_ms"] / cost["student"]["latency_ms"])
+    assert cost["student"]["throughput_rows_s"] > 0 and cost["teacher"]["latency_ms"] > 0
+    lines = C.cost_lines(cost)
+    assert lines[2].startswith("teacher") and lines[3].startswith("student")
+    assert f"{r['smaller']:.1f}× smaller (parameters)" in lines[-1]
+    assert C.cost_lines(None) == [] and C.cost_lines({"error": "x"}) == ["cost: not measured (x)"]
+
+
+def test_a_run_records_and_prints_its_cost(run_cfg, tmp_path: Path, capsys) -> None:
+    from kdrun.app.run import run
+
+    run(run_cfg("objective=logit", "student=truncated", "student.num_layers=1"), tmp_path / "a")
+    out = capsys.readouterr().out
+    res = json.loads((tmp_path / "a" / "results.json").read_text())
+    cost = res["cost"]
+    assert set(cost) >= {"device", "threads", "latency_length", "throughput_batch", "teacher", "student", "ratios"}
+    assert cost["throughput_batch"] == 64  # train.eval_batch_size of the tiny setup, 64 dev rows
+    assert cost["student"]["total"] < cost["teacher"]["total"]  # 1 of the teacher's 4 layers
+    payload = safetensors_payload(tmp_path / "a" / "student" / "model.safetensors")
+    assert cost["student"]["size_mb"] * 1e6 == payload
+    assert "student vs teacher:" in out and f"{cost['ratios']['smaller']:.1f}× smaller" in out
+    assert cost["seconds"] < 10
+    # report.cost=false: no measurement, same run directory name (not part of the run's identity)
+    run(run_cfg("objective=logit", "student=truncated", "student.num_layers=1", "report.cost=false"),
+        tmp_path / "b")
+    other = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert "cost" not in other and other["config_hash"] == res["config_hash"]
+    assert "student vs teacher" not in capsys.readouterr().out
