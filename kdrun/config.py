@@ -409,6 +409,12 @@ class KdrunConfig:
     cache_dir: str = "${oc.env:KDRUN_CACHE_DIR,${oc.env:HOME,.}/.cache/kdrun}"
     # Continue from the checkpoints in the run directory when they exist (true), or start over
     # (false). ``wait``: like true, but wait for another process using the run directory to end
+    # After a run, evict the least recently used cache entries until the cache holds at most this
+    # many GiB (``kdrun-cache gc --max-size``; entries in use are kept); null: never.
+    cache_max_gb: Optional[float] = None
+    # How long the other processes of a data-parallel run wait for rank 0 to build a cache entry
+    # (the fine-tuned teacher, the teacher-output store) before giving up, in seconds.
+    cache_wait_timeout_s: float = 43200.0
     # instead of failing at once.
     resume: Any = True
     output_dir: Optional[str] = None
@@ -449,7 +455,8 @@ def _short_hash(text: str) -> str:
 
 
 # Overrides that do not change what a sweep computes (they are also left out of job directory names).
-NON_IDENTITY_KEYS = ("resume", "logger", "train.device", "train.num_threads", "hydra.", "launcher", "report")
+NON_IDENTITY_KEYS = ("resume", "logger", "train.device", "train.num_threads", "hydra.", "launcher", "report",
+                     "cache_max_gb", "cache_wait_timeout_s")
 
 
 def sweep_name(overrides: list[str]) -> str:

@@ -60,7 +60,8 @@ def _start_over(run_dir: Path) -> None:
 def run_config_hash(resolved: dict[str, Any]) -> str:
     """Identity of a run's configuration for its checkpoints: everything that changes the result
     (tracking settings, ``resume`` and the ``train.stop_after_steps`` testing aid do not)."""
-    keep = {k: v for k, v in resolved.items() if k not in ("resume", "logger", "output_dir", "run_name", "report")}
+    keep = {k: v for k, v in resolved.items() if k not in ("resume", "logger", "output_dir", "run_name", "report",
+                                                           "cache_max_gb", "cache_wait_timeout_s")}
     keep["train"] = without_default_optim({k: v for k, v in keep.get("train", {}).items()
                                            if k not in ("stop_after_steps", "num_threads")})
     if not (keep.get("task") or {}).get("imports", True):  # no task.imports: as before the key existed
@@ -280,8 +281,10 @@ def store_settings(cfg: DictConfig, data: RunData):
     from kdrun.engine.teacher_store import StoreSettings
 
     return StoreSettings(mode=cfg.teacher.store, dtype=cfg.teacher.store_dtype, max_gb=cfg.teacher.store_max_gb,
-                         cache_dir=cfg.cache_dir, key={"tokenizer": data.tok_hash, "max_len": cfg.task.max_seq_length,
-                                                       "teacher_dtype": cfg.teacher.dtype, "kind": cfg.task.kind})
+                         cache_dir=cfg.cache_dir, wait_timeout_s=cfg.cache_wait_timeout_s,
+                         key={"tokenizer": data.tok_hash, "max_len": cfg.task.max_seq_length,
+                              "data_key": data.data_hash, "augmentation": (data.aug_info or {}).get("key"),
+                              "teacher_dtype": cfg.teacher.dtype, "kind": cfg.task.kind})
 
 
 def load_teacher(session: Session, data: RunData) -> Models:
@@ -321,7 +324,7 @@ def load_teacher(session: Session, data: RunData) -> Models:
         key = teacher_cache_key(cfg, refs.get("teacher", "random"), teacher_hash, data.tok_hash,
                                 acc.precision.name)
         if acc.num_processes > 1 and not acc.is_main_process:  # rank 0 fine-tunes; the others reuse its entry
-            wait_for_entry(cfg.cache_dir, "teachers", key)
+            wait_for_entry(cfg.cache_dir, "teachers", key, timeout_s=cfg.cache_wait_timeout_s)
         teacher, info = get_teacher(
             cfg.cache_dir, key,
             lambda out: fine_tune_teacher(out, new_teacher, cfg, acc, teacher_rows(), data.eval, data.tokenizer),
@@ -599,7 +602,12 @@ def _locked_run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     with run_dir_lock(run_dir, wait=cfg.resume == "wait") if main else nullcontext():
         with tee_output(run_dir / "cli.log", enabled=main):
             try:
-                return _run(cfg, run_dir, pre, progress)
+                result = _run(cfg, run_dir, pre, progress)
+                if main and cfg.cache_max_gb:  # a bounded cache: least recently used entries go
+                    from kdrun.runtime.cache_cli import evict_to_size
+
+                    evict_to_size(cfg.cache_dir, cfg.cache_max_gb)
+                return result
             except Interrupted as e:  # checkpointed (student or teacher): a rerun or requeue resumes
                 print(f"[kdrun] {e}", flush=True)
                 raise

@@ -43,6 +43,8 @@ class TrainState:
     best_step: int | None = None
     stage_results: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
+    # per stage ("<index>:<name>"): rank 0's teacher-store decision (kdrun/engine/teacher_store.py)
+    store_decisions: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

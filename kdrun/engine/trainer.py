@@ -301,7 +301,7 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
 
     # None unless the stage sets adaptive.phase (and the run provides the strategy)
     adaptive = parts.start_adaptive(parts, plan, state) if parts.start_adaptive else None
-    store = open_stage_store(parts, plan, train_data, adaptive is not None)
+    store = open_stage_store(parts, plan, train_data, adaptive is not None, state)
     loader, sampler = make_loader(
         train_data, cfg["batch_size"], StoreCollator(parts.collator, store) if store else parts.collator,
         seed=tcfg.seed + 1000 * plan.index, train=True,

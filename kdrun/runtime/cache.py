@@ -197,8 +197,9 @@ def write_manifest(entry: Path) -> None:
     write_json_atomic(entry / COMPLETE_MARKER, {"version": 1, "files": files})
 
 
-def entry_problem(entry: Path) -> str | None:
-    """Why a complete entry cannot be used (a file missing, of the wrong size or checksum), or None.
+def entry_problem(entry: Path, checksums: bool = True) -> str | None:
+    """Why a complete entry cannot be used (a file missing, of the wrong size or, with
+    ``checksums``, checksum), or None.
 
     Entries of older kdrun versions carry no manifest (marker text ``ok``) and pass unchecked.
     """
@@ -220,18 +221,21 @@ def entry_problem(entry: Path) -> str | None:
             return f"{rel} is missing"
         if p.stat().st_size != want["size"]:
             return f"{rel} has {p.stat().st_size} bytes, the manifest says {want['size']}"
+    if not checksums:
+        return None
     for rel, want in files.items():  # sizes first: a truncated file is found without reading anything
         if file_sha256(entry / rel) != want["sha256"]:
             return f"{rel} does not match its checksum"
     return None
 
 
-def manifest_problem(entry: Path, check_files: bool = True) -> str | None:
+def manifest_problem(entry: Path, check_files: bool = True, checksums: bool = True) -> str | None:
     """Why a directory published behind a manifest (a cache entry, a checkpoint) cannot be trusted:
-    its manifest is missing, or (``check_files``) :func:`entry_problem`; None when it verifies."""
+    its manifest is missing, or (``check_files``) :func:`entry_problem` (sizes only unless
+    ``checksums``); None when it verifies."""
     if not (entry / COMPLETE_MARKER).exists():
         return f"{COMPLETE_MARKER} (its manifest) is missing"
-    return entry_problem(entry) if check_files else None
+    return entry_problem(entry, checksums) if check_files else None
 
 
 def quarantine(entry: Path, reason: str, then: str = "rebuilding") -> Path:
@@ -263,31 +267,87 @@ def remove_stale_staging(kind_dir: Path, held_key: str) -> list[Path]:
     return removed
 
 
-def wait_for_entry(root: str | os.PathLike, kind: str, key: str, poll_s: float = 2.0) -> Path:
-    """Wait until another process (rank 0 of a data-parallel run) has published the entry ``key``;
-    no collective is used, so a build longer than the process group's timeout is fine."""
-    entry = Path(root).expanduser() / kind / key
-    while not is_complete(entry):
+def _lock_is_free(lock: Path) -> bool:
+    """Whether no process holds ``lock`` (a ``FileLock`` file; a missing file is free)."""
+    if not lock.exists():
+        return True
+    try:
+        with FileLock(str(lock), timeout=0):
+            return True
+    except Timeout:
+        return False
+    except OSError:  # cannot open it (permissions): assume a holder
+        return False
+
+
+def wait_for_file(path: Path, lock: Path, root: str | os.PathLike, what: str, timeout_s: float | None = None,
+                  poll_s: float = 1.0, grace_s: float = 300.0, stop: Callable[[], int | None] | None = None) -> Path:
+    """Wait until rank 0 has written ``path`` (``what``, in messages) while it holds ``lock``.
+
+    A :class:`UserError` (one line naming ``root``, the cache_dir) when the lock is free and ``path``
+    absent after having been held (rank 0 stopped), or never held within ``grace_s`` (rank 0 is
+    gone, or this node does not see the same cache_dir), or after ``timeout_s``. ``stop()``
+    returning a signal number (a deferred SIGTERM) ends the wait with exit status 128 + it. No
+    collective is used, so a build longer than the process group's timeout is fine.
+    """
+    start, seen_held = time.monotonic(), False
+    gone = (f"rank 0 stopped before publishing {what} in cache_dir={root} (see its log); every node of a "
+            "multi-node run must share cache_dir")
+    while not path.exists():
+        signum = stop() if stop is not None else None
+        if signum is not None:
+            print(f"[kdrun] stopped by signal {signum} while waiting for {what}", flush=True)
+            raise SystemExit(128 + int(signum))
+        free = _lock_is_free(lock)
+        if not free:
+            seen_held = True
+        elif not path.exists() and (seen_held or time.monotonic() - start > grace_s):
+            raise UserError(gone)
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            raise UserError(f"waited {timeout_s:.0f} s for {what} in cache_dir={root} (cache_wait_timeout_s); "
+                            "rank 0 is still at it or stuck: raise cache_wait_timeout_s or look at rank 0's log")
         time.sleep(poll_s)
+    return path
+
+
+def wait_for_entry(root: str | os.PathLike, kind: str, key: str, poll_s: float = 1.0, timeout_s: float | None = None,
+                   grace_s: float = 300.0, stop: Callable[[], int | None] | None = None) -> Path:
+    """Wait until another process (rank 0 of a data-parallel run) has published the entry ``key``
+    (see :func:`wait_for_file` for the timeout, a dead builder and signals)."""
+    entry = Path(root).expanduser() / kind / key
+    wait_for_file(entry / COMPLETE_MARKER, Path(str(entry) + ".lock"), root, f"the cache entry {kind}/{key}",
+                  timeout_s, poll_s, grace_s, stop)
     return entry
 
 
+def touch_entry(entry: Path) -> None:
+    """Mark an entry as used now (its directory's mtime: what ``kdrun-cache gc --max-size`` evicts by)."""
+    try:
+        os.utime(entry)
+    except OSError:  # a read-only shared cache
+        pass
+
+
 def get_or_build(root: str | os.PathLike, kind: str, key: str, build: Callable[[Path], None],
-                 resumable: bool = False) -> tuple[Path, bool]:
+                 resumable: bool = False, checksums: bool = True) -> tuple[Path, bool]:
     """Return (entry dir, was_cached). ``build(tmp_dir)`` fills a fresh directory when missing.
 
-    A complete entry is verified against its manifest first; a damaged one is moved aside and rebuilt.
+    A complete entry is verified against its manifest first (with ``checksums=False`` its files'
+    presence and sizes only: for large entries whose checksums were taken when they were
+    published); a damaged one is moved aside and rebuilt.
     ``resumable``: ``build`` gets the same directory again after an interrupted attempt (see
     :func:`resumable_staging_dir`) and continues from what it finds there.
     """
     entry = Path(root).expanduser() / kind / key
-    if manifest_problem(entry) is None:
+    if manifest_problem(entry, checksums=checksums) is None:
+        touch_entry(entry)
         return entry, True
     entry.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(entry) + ".lock"):
         if is_complete(entry):  # another process built it while we waited, or it is damaged
-            problem = entry_problem(entry)
+            problem = entry_problem(entry, checksums)
             if problem is None:
+                touch_entry(entry)
                 return entry, True
             quarantine(entry, problem)
         elif entry.exists():  # left by a crash before the marker: rebuild

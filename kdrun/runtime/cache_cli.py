@@ -3,19 +3,26 @@
     kdrun-cache list                       # every entry: kind, key, size, age, state
     kdrun-cache verify [--fix]             # check every entry against its manifest
     kdrun-cache gc --older-than 7d [--dry-run]
+    kdrun-cache gc --max-size 50G          # also evict least recently used entries down to 50 GiB
 
 States: ``ok`` (published, verifies), ``damaged`` (published, fails its manifest: ``verify --fix``
 moves it aside so the next run rebuilds it), ``set aside`` (under ``<kind>/.damaged/``, kept for
 inspection), ``unfinished`` (a staging or ``.partial`` directory: a build in progress, or one whose
 writer stopped and whose key was never asked for again). ``gc`` removes set-aside entries and
 unfinished directories whose writer is gone (their lock is free) and that were last changed longer
-ago than ``--older-than``; it never touches a published entry. The cache is ``--cache-dir``, else
-``$KDRUN_CACHE_DIR``, else ``~/.cache/kdrun`` (kdrun's own default).
+ago than ``--older-than``, and lock files of the same age that no process holds. With
+``--max-size`` it then evicts published entries, least recently used first (an entry's directory
+time, which every run that uses it renews), until the cache fits; an entry being built, or read by
+a running process (a teacher-output store holds a shared lock on its manifest), is never evicted.
+Without ``--max-size`` it never touches a published entry. ``cache_max_gb`` in a run's config runs
+this eviction after the run. The cache is ``--cache-dir``, else ``$KDRUN_CACHE_DIR``, else
+``~/.cache/kdrun`` (kdrun's own default).
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import re
 import shutil
@@ -26,9 +33,11 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from kdrun.runtime.cache import DAMAGED_DIR, manifest_problem, quarantine
+from kdrun.runtime.cache import COMPLETE_MARKER, DAMAGED_DIR, manifest_problem, quarantine
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+SIZES = {"": 2**30, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+DECISIONS_DIR = ".decisions"  # small per-run decision files (the teacher-output store's)
 
 
 @dataclass
@@ -54,6 +63,14 @@ def parse_age(text: str) -> float:
     return float(m.group(1)) * UNITS[m.group(2) or "d"]
 
 
+def parse_size(text: str) -> int:
+    """'50G', '512M', '1.5T', '200K', '100B' (a bare number is GiB) -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([bkmgt]?)(?:i?b)?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"--max-size {text!r}: give a number and a unit (K, M, G, T), e.g. 50G")
+    return int(float(m.group(1)) * SIZES[m.group(2)])
+
+
 def tree_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
 
@@ -75,6 +92,8 @@ def scan(root: Path, check: bool) -> list[Item]:
     for kind_dir in sorted(p for p in root.glob("*") if p.is_dir()):
         for path in sorted(kind_dir.iterdir()):
             if not path.is_dir():
+                continue
+            if path.name == DECISIONS_DIR:
                 continue
             if path.name == DAMAGED_DIR:
                 items += [Item(kind_dir.name, p.name, p, "set aside", tree_size(p), now - last_change(p))
@@ -120,7 +139,74 @@ def writer_gone(item: Item) -> bool:
         return False
 
 
-def gc(items: list[Item], older_than: float, dry_run: bool) -> list[Item]:
+def in_use(item: Item) -> bool:
+    """True when a process reads the entry (a shared lock on its manifest) or builds it (its lock)."""
+    if not writer_gone(item):
+        return True
+    try:
+        fd = os.open(item.path / COMPLETE_MARKER, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def evict(item: Item) -> bool:
+    """Remove a published entry unless a process uses it: under its lock and an exclusive lock on its
+    manifest, renamed away (a run looking it up finds it whole or not at all), then deleted."""
+    lock = item.path.parent / f"{item.key}.lock"
+    try:
+        with FileLock(str(lock), timeout=0):
+            fd = os.open(item.path / COMPLETE_MARKER, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            else:
+                gone = item.path.with_name(f".{item.key}.evicted-{os.getpid()}")
+                os.replace(item.path, gone)
+            finally:
+                os.close(fd)
+    except (Timeout, FileNotFoundError):
+        return False
+    shutil.rmtree(gone, ignore_errors=True)
+    return True
+
+
+def stale_locks(root: Path, older_than: float) -> list[Path]:
+    """Lock files (and old decision files) that no process holds, last changed before ``older_than``."""
+    now, out = time.time(), []
+    for kind_dir in (p for p in root.glob("*") if p.is_dir()):
+        files = [*kind_dir.glob("*.lock"), *(kind_dir / DECISIONS_DIR).glob("*")]
+        for f in files:
+            try:
+                if now - f.stat().st_mtime < older_than:
+                    continue
+                with FileLock(str(f), timeout=0) if f.suffix == ".lock" else _nothing():
+                    out.append(f)
+            except (Timeout, OSError):
+                continue
+    return out
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def gc(items: list[Item], older_than: float, dry_run: bool, max_size: int | None = None,
+       root: Path | None = None) -> list[Item]:
+    """Remove set-aside entries and abandoned builds older than ``older_than`` (and stale lock files
+    under ``root``); with ``max_size`` (bytes) then evict published entries, least recently used
+    first, until the cache holds at most that much."""
     doomed = [it for it in items if it.state in ("set aside", "unfinished") and it.age_s >= older_than
               and (it.state == "set aside" or writer_gone(it))]
     for it in doomed:
@@ -128,8 +214,38 @@ def gc(items: list[Item], older_than: float, dry_run: bool) -> list[Item]:
               f"{age(it.age_s)} old)")
         if not dry_run:
             shutil.rmtree(it.path, ignore_errors=True)
+    if root is not None:
+        for f in stale_locks(root, older_than):
+            if not dry_run:
+                f.unlink(missing_ok=True)
+    if max_size is not None:
+        total = sum(it.bytes for it in items if it not in doomed)
+        published = sorted((it for it in items if it.state in ("ok", "damaged", "(not checked)")),
+                           key=lambda it: -it.age_s)  # least recently used first
+        for it in published:
+            if total <= max_size:
+                break
+            if in_use(it):
+                print(f"keeping {it.path} ({human(it.bytes)}): in use by a running process")
+                continue
+            print(f"{'would evict' if dry_run else 'evicting'} {it.path} ({human(it.bytes)}, last used "
+                  f"{age(it.age_s)} ago)")
+            if dry_run or evict(it):
+                doomed.append(it)
+                total -= it.bytes
+        if total > max_size:
+            print(f"the cache still holds {human(total)}, more than --max-size {human(max_size)} (entries in use)")
     print(f"{'would free' if dry_run else 'freed'} {human(sum(it.bytes for it in doomed))} in {len(doomed)} item(s)")
     return doomed
+
+
+def evict_to_size(root: str | os.PathLike, max_gb: float) -> list[Item]:
+    """``cache_max_gb`` after a run: :func:`gc` with ``--max-size`` (set-aside and abandoned items
+    older than 7 days too)."""
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        return []
+    return gc(scan(root, check=False), parse_age("7d"), False, int(max_gb * 2**30), root)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--fix", action="store_true", help="move damaged entries aside, so the next run rebuilds them")
     g = sub.add_parser("gc", help="remove set-aside entries and abandoned unfinished builds")
     g.add_argument("--older-than", type=parse_age, default=parse_age("7d"), help="e.g. 7d (default), 12h, 30m")
+    g.add_argument("--max-size", type=parse_size, default=None,
+                   help="evict least recently used entries until the cache holds at most this, e.g. 50G")
     g.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     args = p.parse_args(argv)
     root = (args.cache_dir or default_cache_dir()).expanduser()
@@ -153,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         print_items(items)
         return 0
     if args.command == "gc":
-        gc(items, args.older_than, args.dry_run)
+        gc(items, args.older_than, args.dry_run, args.max_size, root)
         return 0
     return verify(items, args.fix)
 
