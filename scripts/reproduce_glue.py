@@ -1,13 +1,27 @@
-"""The miniature GLUE reproduction, one command: grid on dev, then seeds, then the table.
+"""GLUE studies, one command each: grid on dev, then seeds, then the table.
 
-    python scripts/reproduce_glue.py --glue <GLUE dir> --out outputs/mini_glue
+    python scripts/reproduce_glue.py --glue <GLUE dir> --recipe glue_cpu   # the study in which students learn
+    python scripts/reproduce_glue.py --glue <GLUE dir>                     # the miniature study (--recipe mini_glue)
 
-For every GLUE task kdrun knows (CoLA, SST-2, MRPC, STS-B, RTE, QNLI, MNLI, QQP, WNLI; ``--tasks``
-chooses) and objective (finetune, logit, pkd, tinybert, minilm, ckd, mgskd, alp) on
-``experiment=mini_glue`` (minilm_l6 teacher fine-tuned once per task on the whole training split
-and cached, 3-layer truncated student on the preset's subsample):
+Two recipes. ``--recipe glue_cpu`` (``experiment=glue_cpu``) is the CPU-scale study: CoLA, SST-2,
+MRPC and STS-B, teachers on the whole training split (SST-2's capped at 16,000 rows), 3-layer
+students for 3 epochs per stage on up to 4,000 rows at 128 tokens, every objective of the papers on
+MRPC and STS-B (finetune, logit, pkd, tinybert, minilm, ckd, mgskd, alp and ckd_gradnorm) and the
+baselines plus tinybert and ckd on SST-2 and CoLA (``RECIPES`` below; ``--tasks`` /
+``--objectives`` choose others); after the report it prints the finetune criterion, teacher against
+student per task (``criterion_lines``). ``--measure-lengths`` prints the share of rows that each
+candidate max length would cut, per task and split, with the teacher's tokenizer.
 
-1. grid: each objective at every learning rate of ``--grid-lr`` (and, for ckd, every
+``--recipe mini_glue`` (the default) is the miniature study that docs/reports.md describes; its
+students get 32 optimizer steps per stage and mostly stay at the majority class. For every GLUE
+task kdrun knows (CoLA, SST-2, MRPC, STS-B, RTE, QNLI, MNLI, QQP, WNLI; ``--tasks`` chooses) and
+objective (finetune, logit, pkd, tinybert, minilm, ckd, mgskd, alp) on ``experiment=mini_glue``
+(minilm_l6 teacher fine-tuned once per task on the whole training split and cached, 3-layer
+truncated student on the preset's subsample).
+
+Both recipes run the same protocol:
+
+1. grid: each objective at every learning rate of ``--grid-lr`` (and, for ckd and ckd_gradnorm, every
    ``objective.params.lambda_ckd`` of ``--ckd-lambda``) with ``--grid-seed``, one ``kdrun -m``
    multirun per task and objective (``OUT/grid/<task>/<objective>``);
 2. the setting with the best dev score per (task, objective) is chosen (``OUT/chosen.json``), as
@@ -30,18 +44,53 @@ on N rows of the same shuffle); ``--dry-run`` prints the commands.
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from kdrun.report.cli import collect
-from kdrun.runtime.cache import write_json_atomic
+from kdrun.runtime.cache import write_json_atomic, write_text_atomic
 
 # kdrun's GLUE tasks (conf/task/<name>.yaml) and their directories in the classic GLUE TSV layout
 GLUE_DIRS = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "stsb": "STS-B", "rte": "RTE", "qnli": "QNLI",
              "mnli": "MNLI", "qqp": "QQP", "wnli": "WNLI"}
 OBJECTIVES = ["finetune", "logit", "pkd", "tinybert", "minilm", "ckd", "mgskd", "alp"]
+# objectives whose grid includes objective.params.lambda_ckd
+CKD_GRID = ("ckd", "ckd_gradnorm")
+
+
+class Recipe(NamedTuple):
+    """A study's defaults; every one can be overridden on the command line."""
+
+    experiment: str
+    tasks: tuple[str, ...]
+    objectives: dict[str, tuple[str, ...]]  # per task; "*" for any other task
+    grid_lr: str
+    ckd_lambda: str
+    out: str
+    teacher_rows: dict[str, int] = {}  # per-task cap on the teacher's rows (read only)
+
+
+ALL_OBJECTIVES = (*OBJECTIVES, "ckd_gradnorm")
+RECIPES = {
+    "mini_glue": Recipe("mini_glue", tuple(GLUE_DIRS), {"*": tuple(OBJECTIVES)}, "2e-4,5e-4", "0.01,0.1,1,10",
+                        "outputs/mini_glue"),
+    # Every objective on the two smallest pair tasks; the baselines, the one objective with a
+    # significant gain in the miniature study (tinybert) and ckd on the single-sentence tasks,
+    # within about five hours of an idle 2-core CPU (docs/results.md).
+    "glue_cpu": Recipe("glue_cpu", ("cola", "sst2", "mrpc", "stsb"),
+                       {"mrpc": ALL_OBJECTIVES, "stsb": ALL_OBJECTIVES,
+                        "*": ("finetune", "logit", "tinybert", "ckd")},
+                       "1e-4,3e-4", "0.01,0.1", "outputs/glue_cpu", teacher_rows={"sst2": 16000}),
+}
+# The finetune criterion of the glue_cpu study: (kind, value) per task, on the task's main metric.
+CRITERIA = {"sst2": ("of_teacher", 0.90), "mrpc": ("of_teacher", 0.90), "stsb": ("at_least", 0.70),
+            "cola": ("above_zero", None)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -49,11 +98,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--glue", required=True, help="GLUE root with the tasks' directories (CoLA/, SST-2/, MRPC/, "
                    "STS-B/, RTE/, QNLI/, MNLI/, QQP/, WNLI/)")
     p.add_argument("--conll", default=None, help="CoNLL-2000 directory for mgskd's chunker (default: beside --glue)")
-    p.add_argument("--out", default="outputs/mini_glue")
-    p.add_argument("--tasks", default=",".join(GLUE_DIRS), help=f"comma-separated, of {','.join(GLUE_DIRS)}")
-    p.add_argument("--objectives", default=",".join(OBJECTIVES))
-    p.add_argument("--grid-lr", default="2e-4,5e-4", help="learning rates tried on dev")
-    p.add_argument("--ckd-lambda", default="0.01,0.1,1,10", help="objective.params.lambda_ckd values tried for ckd")
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="mini_glue",
+                   help="glue_cpu: the study in which students learn; mini_glue: the miniature study")
+    p.add_argument("--out", default=None, help="output directory (default: outputs/<recipe>)")
+    p.add_argument("--tasks", default=None, help=f"comma-separated, of {','.join(GLUE_DIRS)} (default: the recipe's)")
+    p.add_argument("--objectives", default=None, help="comma-separated, for every task (default: the recipe's)")
+    p.add_argument("--grid-lr", default=None, help="learning rates tried on dev (default: the recipe's)")
+    p.add_argument("--ckd-lambda", default=None,
+                   help="objective.params.lambda_ckd values tried for ckd and ckd_gradnorm (default: the recipe's)")
     p.add_argument("--grid-seed", type=int, default=0)
     p.add_argument("--seeds", default="1,2,3,4,5,6",
                    help="reported seeds (the exact sign-flip test's floor is 2/2^n: at least 6 for p < 0.05)")
@@ -66,24 +118,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--epochs", type=float, default=None, help="override the preset's epochs per stage")
     p.add_argument("--extra", action="append", default=[], help="any further kdrun override (repeatable)")
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--measure-lengths", action="store_true",
+                   help="print the share of rows each max length would cut (per task and split) and exit")
     args = p.parse_args(argv)
+    recipe = RECIPES[args.recipe]
+    args.out = args.out or recipe.out
+    args.tasks = args.tasks or ",".join(recipe.tasks)
+    args.grid_lr = args.grid_lr or recipe.grid_lr
+    args.ckd_lambda = recipe.ckd_lambda if args.ckd_lambda is None else args.ckd_lambda
     unknown = [t for t in args.tasks.split(",") if t not in GLUE_DIRS]
     if unknown:
         p.error(f"--tasks: unknown {', '.join(unknown)}; kdrun's GLUE tasks are {', '.join(GLUE_DIRS)}")
     return args
 
 
-def teacher_rows(args: argparse.Namespace) -> str:
-    """The value of task.teacher_max_train_samples the options ask for."""
+def objectives_for(args: argparse.Namespace, task: str) -> list[str]:
+    """The objectives run on ``task``: --objectives, else the recipe's for the task."""
+    if args.objectives:
+        return args.objectives.split(",")
+    plan = RECIPES[args.recipe].objectives
+    return list(plan.get(task, plan["*"]))
+
+
+def teacher_rows(args: argparse.Namespace, task: str | None = None) -> str:
+    """The value of task.teacher_max_train_samples the options (and the recipe, per task) ask for."""
     if args.teacher_max_train_samples:
         return str(args.teacher_max_train_samples)
-    return "all" if args.teacher_full else "same"
+    if not args.teacher_full:
+        return "same"
+    cap = RECIPES[args.recipe].teacher_rows.get(task) if task else None
+    return str(cap) if cap else "all"
 
 
 def common_overrides(args: argparse.Namespace, task: str) -> list[str]:
     conll = args.conll or str(Path(args.glue).parent / "conll2000")
-    out = ["experiment=mini_glue", f"task={task}", f"task.data_dir={Path(args.glue) / GLUE_DIRS[task]}",
-           f"spans.corpus_dir={conll}", f"task.teacher_max_train_samples={teacher_rows(args)}"]
+    out = [f"experiment={RECIPES[args.recipe].experiment}", f"task={task}",
+           f"task.data_dir={Path(args.glue) / GLUE_DIRS[task]}", f"spans.corpus_dir={conll}",
+           f"task.teacher_max_train_samples={teacher_rows(args, task)}"]
     if args.max_train_samples:
         out.append(f"task.max_train_samples={args.max_train_samples}")
     if args.epochs:
@@ -104,7 +175,7 @@ def kdrun_multirun(overrides: list[str], sweep_dir: Path, dry_run: bool) -> None
 def grid(args: argparse.Namespace, objective: str) -> dict[str, str]:
     """The grid of one objective: {config key: comma-separated values}."""
     out = {"train.lr": args.grid_lr}
-    if objective == "ckd" and args.ckd_lambda:
+    if objective in CKD_GRID and args.ckd_lambda:
         out["objective.params.lambda_ckd"] = args.ckd_lambda
     return out
 
@@ -154,7 +225,7 @@ def run_objective(args: argparse.Namespace, task: str, objective: str, out: Path
 
 
 def run_task(args: argparse.Namespace, task: str, out: Path) -> dict[str, object]:
-    return {obj: run_objective(args, task, obj, out) for obj in args.objectives.split(",")}
+    return {obj: run_objective(args, task, obj, out) for obj in objectives_for(args, task)}
 
 
 def merged_choices(path: Path, chosen: dict, args: argparse.Namespace, seconds: float) -> dict:
@@ -168,14 +239,118 @@ def merged_choices(path: Path, chosen: dict, args: argparse.Namespace, seconds: 
     for task, objectives in chosen.items():
         old["chosen"].setdefault(task, {}).update(objectives)
     old.setdefault("invocations", []).append(
-        {"tasks": args.tasks, "objectives": args.objectives, "grid_lr": args.grid_lr, "ckd_lambda": args.ckd_lambda,
-         "grid_seed": args.grid_seed, "seeds": args.seeds, "teacher_max_train_samples": teacher_rows(args),
+        {"recipe": args.recipe, "tasks": args.tasks,
+         "objectives": args.objectives or {t: ",".join(objectives_for(args, t)) for t in args.tasks.split(",")},
+         "grid_lr": args.grid_lr, "ckd_lambda": args.ckd_lambda, "grid_seed": args.grid_seed, "seeds": args.seeds,
+         "teacher_max_train_samples": {t: teacher_rows(args, t) for t in args.tasks.split(",")},
          "wall_seconds_until_report": round(seconds, 1)})
     return {"chosen": old["chosen"], "invocations": old["invocations"]}
 
 
+# ------------------------------------------------------------------------------ the finetune criterion
+
+def _main_value(metrics: dict, metric: str) -> float | None:
+    """``metric`` from {split: {metric: value}} (the first split) or from a flat {metric: value}."""
+    if metric in metrics:
+        return float(metrics[metric])
+    for values in metrics.values():
+        if isinstance(values, dict) and metric in values:
+            return float(values[metric])
+    return None
+
+
+def criterion_rows(seeds_dir: Path) -> list[dict]:
+    """Per task of the glue_cpu criterion with finetune runs under ``seeds_dir``: the teacher's and the
+    finetune students' dev scores (main metric), the threshold, and whether the mean reaches it."""
+    runs, _ = collect([seeds_dir])
+    rows = []
+    for task, (kind, value) in CRITERIA.items():
+        mine = [r for r in runs if r.task == task and r.objective == "finetune"]
+        if not mine:
+            continue
+        values = [r.value for r in mine]
+        teachers = {v for r in mine
+                    if (v := _main_value((json.loads((r.path / "results.json").read_text()).get("teacher") or {})
+                                         .get("metrics") or {}, r.metric)) is not None}
+        teacher = statistics.fmean(teachers) if teachers else None
+        mean = statistics.fmean(values)
+        std = statistics.stdev(values) if len(values) > 1 else 0.0
+        if kind == "of_teacher":
+            threshold = None if teacher is None else value * teacher
+            rule = f">= {value:.0%} of the teacher"
+        elif kind == "at_least":
+            threshold, rule = value, f">= {value * 100:.0f}"
+        else:  # clearly above 0: the mean's two standard errors above it
+            threshold, rule = 2 * std / math.sqrt(len(values)), "> 0 by 2 standard errors"
+        base = mine[0].baseline
+        rows.append({"task": task, "metric": mine[0].metric, "teacher": teacher, "mean": mean, "std": std,
+                     "n": len(values), "rule": rule, "threshold": threshold,
+                     "met": None if threshold is None else mean >= threshold if kind != "above_zero" else
+                     mean > threshold, "baseline": None if base is None or base.undefined else base.value})
+    return rows
+
+
+def criterion_lines(seeds_dir: Path) -> list[str]:
+    """The criterion as printed: teacher against the finetune student per task, met or by how much missed."""
+    def pct(x: float | None) -> str:
+        return "?" if x is None else f"{x * 100:.2f}"
+
+    lines = ["finetune criterion (dev, main metric x100): task | teacher | finetune student mean ± std (n) | "
+             "rule | threshold | result"]
+    for r in criterion_rows(seeds_dir):
+        if r["met"] is None:
+            result = "unknown (no teacher score recorded)"
+        elif r["met"]:
+            result = "met"
+        else:
+            result = f"missed by {(r['threshold'] - r['mean']) * 100:.2f}"
+        if r["baseline"] is not None and r["threshold"] is not None and r["threshold"] <= r["baseline"]:
+            result += f" (the constant predictor's {pct(r['baseline'])} meets this threshold too)"
+        lines.append(f"  {r['task']} {r['metric']} | {pct(r['teacher'])} | {pct(r['mean'])} ± {pct(r['std'])} "
+                     f"({r['n']}) | {r['rule']} | {pct(r['threshold'])} | {result}")
+    return lines
+
+
+# ----------------------------------------------------------------------------------- lengths
+
+def length_lines(args: argparse.Namespace, lengths: tuple[int, ...] = (64, 128, 256)) -> list[str]:
+    """The share of rows longer than each max length, per task and split, with the teacher's tokenizer
+    (the glue_cpu recipe's: all-MiniLM-L6-v2's uncased WordPiece)."""
+    from hydra import compose, initialize_config_module
+
+    from kdrun.app.preflight import preflight
+    from kdrun.config import register_configs
+    from kdrun.models.loading import load_tokenizer
+    from kdrun.tasks.data.sources import load_task_data
+
+    register_configs()
+    lines = [f"task split rows: share of rows cut at max length {', '.join(map(str, lengths))} (longest row)"]
+    with initialize_config_module(config_module="kdrun.conf", version_base="1.3"):
+        for task in args.tasks.split(","):
+            data_dir = Path(args.glue) / GLUE_DIRS[task]
+            if not data_dir.exists():
+                lines.append(f"{task}: {data_dir} absent, skipped")
+                continue
+            cfg = compose(config_name="config", overrides=[f"experiment={RECIPES[args.recipe].experiment}",
+                                                           f"task={task}", f"task.data_dir={data_dir}",
+                                                           "task.max_train_samples=null"])
+            refs = preflight(cfg)["refs"]
+            tok = load_tokenizer(next(refs[k] for k in ("teacher", "teacher_tokenizer", "student_tokenizer")
+                                      if k in refs))
+            for split, ds in load_task_data(cfg.task).items():
+                a = list(ds["text_a"])
+                b = list(ds["text_b"]) if "text_b" in ds.column_names and ds[0]["text_b"] is not None else None
+                n_tok = [len(x) for x in (tok(a, b) if b else tok(a))["input_ids"]]
+                shares = ", ".join(f"{sum(n > m for n in n_tok) / len(n_tok):.2%}" for m in lengths)
+                lines.append(f"{task} {split} {len(n_tok)}: {shares} ({max(n_tok)})")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.measure_lengths:
+        print("\n".join(length_lines(args)), flush=True)
+        return 0
     out = Path(args.out)
     t0 = time.time()
     chosen = {task: run_task(args, task, out) for task in args.tasks.split(",")}
@@ -186,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     write_json_atomic(out / "chosen.json", merged_choices(out / "chosen.json", chosen, args, time.time() - t0))
     rc = subprocess.call(report)
+    if args.recipe == "glue_cpu":
+        lines = criterion_lines(out / "seeds")
+        print("\n".join(lines), flush=True)
+        write_text_atomic(out / "report" / "criterion.txt", "\n".join(lines) + "\n")
     print(f"[reproduce_glue] wall time {time.time() - t0:.0f}s; chosen settings in {out / 'chosen.json'}")
     return rc
 

@@ -201,3 +201,82 @@ def test_teacher_train_limit_refuses_bad_values(value) -> None:
 
     with pytest.raises(ConfigError, match="teacher_max_train_samples"):
         teacher_train_limit(OmegaConf.create({"max_train_samples": None, "teacher_max_train_samples": value}))
+
+
+# ------------------------------------------------------------------ the glue_cpu recipe
+
+
+def test_glue_cpu_dry_run_prints_the_studys_commands(tmp_path: Path) -> None:
+    """The study's one command: python scripts/reproduce_glue.py --glue <dir> --recipe glue_cpu --dry-run."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce_glue.py"), "--glue", str(tmp_path / "glue"),
+                          "--recipe", "glue_cpu", "--dry-run"], capture_output=True, text=True, check=True,
+                         cwd=tmp_path).stdout
+    cmds = [line[2:].split() for line in out.splitlines() if line.startswith("$ ")]
+    runs = [c for c in cmds if c[:2] == ["kdrun", "-m"]]
+    every = ["finetune", "logit", "pkd", "tinybert", "minilm", "ckd", "mgskd", "alp", "ckd_gradnorm"]
+    want = {"mrpc": every, "stsb": every, "sst2": ["finetune", "logit", "tinybert", "ckd"],
+            "cola": ["finetune", "logit", "tinybert", "ckd"]}
+    for task, objectives in want.items():
+        mine = [c for c in runs if f"task={task}" in c]
+        got = [next(a.split("=")[1] for a in c if a.startswith("objective=")) for c in mine]
+        assert got == [o for o in objectives for _ in range(2)]  # grid, then seeds
+        rows = "16000" if task == "sst2" else "all"  # SST-2's teacher capped, the others on the whole split
+        for c in mine:
+            assert "experiment=glue_cpu" in c and f"task.teacher_max_train_samples={rows}" in c
+            assert any(a.startswith("hydra.sweep.dir=outputs/glue_cpu/") for a in c)
+        grids = [c for c in mine if "seed=0" in c]
+        assert all("train.lr=1e-4,3e-4" in c for c in grids)
+        assert {next(a.split("=")[1] for a in c if a.startswith("objective=")) for c in grids
+                if "objective.params.lambda_ckd=0.01,0.1" in c} == {"ckd", "ckd_gradnorm"} & set(objectives)
+        assert sum("seed=1,2,3,4,5,6" in c for c in mine) == len(objectives)
+    assert len(runs) == 2 * sum(map(len, want.values()))
+    assert cmds[-1][:2] == ["kdrun-report", "outputs/glue_cpu/seeds"]
+    assert not (tmp_path / "outputs").exists()  # a dry run writes nothing
+
+
+def test_glue_cpu_preset_composes_for_every_study_task() -> None:
+    script = load_script("reproduce_glue")
+    for task in script.RECIPES["glue_cpu"].tasks:
+        cfg = compose(["experiment=glue_cpu", f"task={task}"])
+        assert (cfg.task.max_seq_length, cfg.task.max_train_samples, cfg.task.teacher_max_train_samples) == \
+            (128, 4000, "all")
+        assert (cfg.student.name, cfg.student.num_layers, cfg.teacher.name, cfg.train.epochs) == \
+            ("truncated", 3, "minilm_l6", 3)
+
+
+def _criterion_run(job: Path, task: str, metric: str, teacher: float, value: float, seed: int) -> None:
+    job.mkdir(parents=True)
+    (job / "results.json").write_text(json.dumps({
+        "task": task, "objective": "finetune", "teacher": {"metrics": {"validation": {metric: teacher}}},
+        "student": {"name": "truncated", "metrics": {"validation": {metric: value}}},
+        "baseline": {"kind": "majority", "validation": {metric: 0.812 if task == "mrpc" else 0.0}},
+        "config": {"seed": seed, "task": {"name": task, "main_metric": metric}}}))
+
+
+def test_criterion_compares_the_finetune_student_with_its_teacher(tmp_path: Path) -> None:
+    script = load_script("reproduce_glue")
+    runs = {"sst2": ("accuracy", 0.88, [0.80, 0.78]),          # 90 % of 0.88 = 0.792; mean 0.79: missed by 0.2
+            "mrpc": ("f1", 0.88, [0.81, 0.82]),               # 0.792 met, but the constant F1 0.812 meets it too
+            "stsb": ("pearson", 0.87, [0.72, 0.70]),          # >= 0.70: met
+            "cola": ("matthews_correlation", 0.40, [0.02, 0.0])}  # mean 0.01, 2 SE = 0.02: not clearly > 0
+    for task, (metric, teacher, values) in runs.items():
+        for seed, v in enumerate(values, 1):
+            _criterion_run(tmp_path / "seeds" / task / "finetune" / f"job{seed}", task, metric, teacher, v, seed)
+    rows = {r["task"]: r for r in script.criterion_rows(tmp_path / "seeds")}
+    assert rows["sst2"]["threshold"] == pytest.approx(0.792) and rows["sst2"]["met"] is False
+    assert rows["sst2"]["teacher"] == pytest.approx(0.88) and rows["sst2"]["mean"] == pytest.approx(0.79)
+    assert rows["mrpc"]["met"] is True and rows["stsb"]["met"] is True
+    assert rows["cola"]["threshold"] == pytest.approx(0.02)  # 2 * std / sqrt(n), std = 0.02 / sqrt(2)
+    assert rows["cola"]["met"] is False
+    lines = "\n".join(script.criterion_lines(tmp_path / "seeds"))
+    assert "sst2 accuracy | 88.00 | 79.00 ± 1.41 (2) | >= 90% of the teacher | 79.20 | missed by 0.20" in lines
+    assert "mrpc f1 | 88.00 | 81.50" in lines and "constant predictor's 81.20 meets this threshold too" in lines
+    assert "stsb pearson | 87.00 | 71.00 ± 1.41 (2) | >= 70 | 70.00 | met" in lines
+
+
+@pytest.mark.skipif(not (GLUE / "MRPC").exists(), reason="GLUE data absent ($KDRUN_DATA/glue)")
+def test_measure_lengths_on_mrpc() -> None:
+    script = load_script("reproduce_glue")
+    lines = script.length_lines(script.parse_args(["--glue", str(GLUE), "--recipe", "glue_cpu", "--tasks", "mrpc"]))
+    assert "mrpc train 3668: 19.96%, 0.00%, 0.00% (103)" in lines  # all-MiniLM-L6-v2's WordPiece
+    assert "mrpc validation 408: 19.85%, 0.00%, 0.00% (86)" in lines
