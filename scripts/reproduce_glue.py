@@ -9,8 +9,10 @@ students for 3 epochs per stage on up to 4,000 rows at 128 tokens, every objecti
 MRPC and STS-B (finetune, logit, pkd, tinybert, minilm, ckd, mgskd, alp and ckd_gradnorm) and the
 baselines plus tinybert and ckd on SST-2 and CoLA (``RECIPES`` below; ``--tasks`` /
 ``--objectives`` choose others); after the report it prints the finetune criterion, teacher against
-student per task (``criterion_lines``). ``--measure-lengths`` prints the share of rows that each
-candidate max length would cut, per task and split, with the teacher's tokenizer.
+student per task (``criterion_lines``), and every objective against logit KD paired by seed
+(``versus_logit_lines``; the report pairs with finetune), into ``OUT/report`` too.
+``--measure-lengths`` prints the share of rows that each candidate max length would cut, per task
+and split, with the teacher's tokenizer.
 
 ``--recipe mini_glue`` (the default) is the miniature study that docs/reports.md describes; its
 students get 32 optimizer steps per stage and mostly stay at the majority class. For every GLUE
@@ -311,6 +313,35 @@ def criterion_lines(seeds_dir: Path) -> list[str]:
     return lines
 
 
+# ------------------------------------------------------------------------ against logit KD
+
+def versus_logit_lines(seeds_dir: Path) -> list[str]:
+    """Each objective against ``logit`` per task, paired by seed (kdrun-report pairs with finetune):
+    the mean difference (x100) and the exact sign-flip and paired t-test p-values."""
+    from kdrun.report.significance import paired_t_p, sign_flip_p
+
+    runs, _ = collect([seeds_dir])
+    by: dict[tuple[str, str], dict[int, float]] = {}
+    for r in runs:
+        by.setdefault((r.task, r.objective), {})[r.seed] = r.value
+    lines = ["against logit (paired by seed; dev, main metric x100): task objective | n | mean difference | "
+             "p sign-flip | p t-test"]
+    for (task, objective), mine in sorted(by.items()):
+        base = by.get((task, "logit"))
+        if objective == "logit" or not base:
+            continue
+        seeds = sorted(set(mine) & set(base))
+        if not seeds:
+            continue
+        a, b = [mine[s] for s in seeds], [base[s] for s in seeds]
+        diffs = [x - y for x, y in zip(a, b)]
+        p_flip, _ = sign_flip_p(diffs)
+        p_t = paired_t_p(a, b)
+        lines.append(f"  {task} {objective} | {len(seeds)} | {statistics.fmean(diffs) * 100:+.2f} | "
+                     f"{p_flip:.3g} | {'—' if p_t is None else f'{p_t:.3g}'}")
+    return lines
+
+
 # ----------------------------------------------------------------------------------- lengths
 
 def length_lines(args: argparse.Namespace, lengths: tuple[int, ...] = (64, 128, 256)) -> list[str]:
@@ -362,9 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     write_json_atomic(out / "chosen.json", merged_choices(out / "chosen.json", chosen, args, time.time() - t0))
     rc = subprocess.call(report)
     if args.recipe == "glue_cpu":
-        lines = criterion_lines(out / "seeds")
-        print("\n".join(lines), flush=True)
-        write_text_atomic(out / "report" / "criterion.txt", "\n".join(lines) + "\n")
+        for name, lines in (("criterion.txt", criterion_lines(out / "seeds")),
+                            ("versus_logit.txt", versus_logit_lines(out / "seeds"))):
+            print("\n".join(lines), flush=True)
+            write_text_atomic(out / "report" / name, "\n".join(lines) + "\n")
     print(f"[reproduce_glue] wall time {time.time() - t0:.0f}s; chosen settings in {out / 'chosen.json'}")
     return rc
 

@@ -280,3 +280,22 @@ def test_measure_lengths_on_mrpc() -> None:
     lines = script.length_lines(script.parse_args(["--glue", str(GLUE), "--recipe", "glue_cpu", "--tasks", "mrpc"]))
     assert "mrpc train 3668: 19.96%, 0.00%, 0.00% (103)" in lines  # all-MiniLM-L6-v2's WordPiece
     assert "mrpc validation 408: 19.85%, 0.00%, 0.00% (86)" in lines
+
+
+def test_versus_logit_pairs_by_seed(tmp_path: Path) -> None:
+    script = load_script("reproduce_glue")
+    logit = [0.70, 0.71, 0.72, 0.73, 0.74, 0.75]
+    for seed, v in enumerate(logit, 1):
+        for obj, value in (("logit", v), ("ckd", v + 0.01 * seed), ("finetune", v - 0.01 if seed % 2 else v + 0.01)):
+            job = tmp_path / "seeds" / "stsb" / obj / f"job{seed}"
+            job.mkdir(parents=True)
+            (job / "results.json").write_text(json.dumps({
+                "task": "stsb", "objective": obj,
+                "student": {"name": "s", "metrics": {"validation": {"pearson": value}}},
+                "config": {"seed": seed, "task": {"name": "stsb", "main_metric": "pearson"}}}))
+    lines = script.versus_logit_lines(tmp_path / "seeds")
+    # ckd beats logit on all six seeds by 1..6 points (mean 3.5): the exact sign-flip floor 2/2^6
+    assert "  stsb ckd | 6 | +3.50 | 0.0312 |" in "\n".join(lines)
+    # finetune: -1, +1, -1, +1, -1, +1: mean 0, every sign assignment as extreme: p = 1
+    assert "  stsb finetune | 6 | +0.00 | 1 |" in "\n".join(lines)
+    assert not any(" logit |" in line for line in lines[1:])
