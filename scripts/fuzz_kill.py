@@ -1,7 +1,9 @@
-"""Kill a run at random moments and count the runs that still end exactly like an uninterrupted one.
+"""Kill a run at random moments while it works and count the runs that still end exactly like an
+uninterrupted one, each after exactly one restart that resumed where the killed run had got to.
 
     python scripts/fuzz_kill.py --runs 20                    # SIGKILL at 20 random moments
     python scripts/fuzz_kill.py --runs 20 --signal TERM      # graceful stop (also USR2: SLURM's warning)
+    python scripts/fuzz_kill.py --runs 5 --ddp               # two processes (torchrun); one rank is killed
     python scripts/fuzz_kill.py --runs 2 --fast              # the tests
 
 The run: tiny models on the toy task, two stages (objective=tinybert: an intermediate-layer stage,
@@ -10,14 +12,24 @@ teacher yet, so the teacher's fine-tuning, both stages, evaluations, checkpoint 
 teacher-output store and the teacher's cache entry being published, and the final outputs are all
 moments a signal can land in. First the run goes uninterrupted twice: the reference, and a second
 run that must end identically and is timed from its log (t0 when it printed its first phase, T
-half a second after it printed its outputs). Then each of N runs, in its own cache and run
-directory, gets the signal at a moment drawn uniformly from [t0, T) (seeded: ``--seed``) and is
-restarted with the same command until it exits 0 (a restart may be signalled again with
-``--repeat``). A run counts as identical when its student
-weights are bit for bit the reference's, its results.json metrics (teacher, student, every
-evaluation) are equal, and its metrics.jsonl has the same records (throughput and timing fields,
-which measure the machine, left out). Prints where each signal landed (the last phase the run had
-printed) and the count, e.g. ``20/20 identical``.
+when it printed its outputs). Each of N runs, in its own cache and run directory, gets the signal
+at a moment drawn uniformly from [t0, T) (seeded: ``--seed``); with ``--ddp`` SIGKILL goes to one
+worker process (rank 1) alone, and torchrun stops the other. A signal that lands after the run
+printed its outputs (or after it exited) tests nothing: it is reported apart and drawn again
+(at most N extra draws). After the signal (and ``--repeat`` more signalled restarts), the script
+reads the checkpoint the run left on disk (``checkpoints/last``, or ``last.old`` from a swap cut
+between its renames; the teacher's in its cache entry's ``.partial`` directory) and restarts the
+run once. A run passes when:
+
+* that one restart exits 0 (a second restart is not tried: it would hide a broken resume);
+* the restart resumed from the step on disk or later (it printed ``resuming at ... step G`` with
+  G at or after it; the same for the teacher's fine-tuning): a silent start-over fails;
+* its student weights are bit for bit the reference's, its results.json metrics (teacher, student,
+  every evaluation) are equal, and its metrics.jsonl has the same records (throughput and timing
+  fields, which measure the machine, left out).
+
+Prints where each signal landed (the last phase the run had printed) and the count, e.g.
+``20/20 passed``; exits 1 unless every counted run passed.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -49,23 +62,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--signal", choices=("KILL", "TERM", "USR2"), default="KILL")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=0, help="signal each restart again this many times")
+    p.add_argument("--ddp", action="store_true", help="two processes under torchrun; the signal kills rank 1 alone")
     p.add_argument("--out", default="outputs/fuzz_kill")
     p.add_argument("--fast", action="store_true", help="a shorter run (one stage epoch each), for the tests")
     return p.parse_args(argv)
 
 
-def kdrun_command(overrides: list[str], cache: Path, run_dir: Path) -> list[str]:
-    """``python -m kdrun`` with ``overrides`` in its own cache and run directory (the fuzz scripts' runs)."""
-    return [sys.executable, "-m", "kdrun", *overrides, f"cache_dir={cache}", f"output_dir={run_dir}"]
+def override_value(value: object) -> str:
+    """``value`` as a Hydra override value: quoted when Hydra's grammar would not take it bare (a
+    path with non-ASCII letters, commas, quotes or brackets)."""
+    text = str(value)
+    if text.isascii() and not any(c in text for c in ",'\"[]{}()=\\:"):
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def kdrun_command(overrides: list[str], cache: Path, run_dir: Path, ddp: bool = False,
+                  port: int = 29500) -> list[str]:
+    """``python -m kdrun`` with ``overrides`` in its own cache and run directory (the fuzz scripts' runs);
+    ``ddp``: two processes under torchrun."""
+    launch = [sys.executable, "-m", "kdrun"] if not ddp else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+        "-m", "kdrun"]
+    return [*launch, *overrides, f"cache_dir={override_value(cache)}", f"output_dir={override_value(run_dir)}"]
+
+
+_PORTS = iter(range(29500 + os.getpid() % 97 * 5, 65000))  # a fresh port for each launch: no wait for a freed one
 
 
 def command(args: argparse.Namespace, work: Path) -> list[str]:
     extra = ["objective.params.prediction_epochs=1"] if args.fast else []
-    return kdrun_command([*RUN, *extra], work / "cache", work / "run")
+    return kdrun_command([*RUN, *extra], work / "cache", work / "run", ddp=args.ddp, port=next(_PORTS))
 
 
 def env() -> dict[str, str]:
-    e = dict(os.environ)
+    e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     e.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
              OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return e
@@ -75,25 +106,47 @@ def start(cmd: list[str], log) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(), start_new_session=True)
 
 
-def signalled_run(cmd: list[str], delay: float, sig: signal.Signals, log) -> bool:
-    """Start the run and send ``sig`` after ``delay`` seconds (SIGKILL to its whole process group);
-    False when it finished before the signal."""
+def rank_process(launcher: int, rank: int) -> int | None:
+    """The pid of torchrun's worker ``rank`` (a descendant of ``launcher`` whose environment says
+    RANK=<rank>), or None."""
+    todo, seen = [launcher], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if pid != launcher and f"RANK={rank}".encode() in environ:
+                return pid
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # gone meanwhile
+            continue
+    return None
+
+
+def signalled_run(cmd: list[str], delay: float, sig: signal.Signals, log, ddp: bool = False) -> bool:
+    """Start the run and send ``sig`` after ``delay`` seconds (SIGKILL to its whole process group;
+    with ``ddp``, to rank 1's process alone); False when it finished before the signal."""
     proc = start(cmd, log)
     try:
         proc.wait(timeout=delay)
         return False
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, sig) if sig == signal.SIGKILL else os.kill(proc.pid, sig)
-        proc.wait()
+        target = rank_process(proc.pid, 1) if ddp else None
+        if ddp and target is None:  # no worker yet (start-up): the launcher stands in
+            target = proc.pid
+        if ddp:
+            os.kill(target, sig)
+        else:
+            os.killpg(proc.pid, sig) if sig == signal.SIGKILL else os.kill(proc.pid, sig)
+        try:
+            proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:  # a DDP peer left waiting: end the whole group
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         return True
-
-
-def finish(cmd: list[str], log, limit: int = 10) -> int:
-    """Restart until the run exits 0; returns the number of starts it took."""
-    for n in range(limit):
-        if start(cmd, log).wait() == 0:
-            return n + 1
-    raise SystemExit(f"the run did not finish after {limit} restarts: {' '.join(cmd)}")
 
 
 def timed_reference(cmd: list[str], log_path: Path) -> tuple[float, dict[str, float]]:
@@ -126,6 +179,42 @@ def phase(log_text: str) -> str:
     return last
 
 
+def _state_step(ckpt: Path) -> int | None:
+    for d in (ckpt, ckpt.with_name(ckpt.name + ".old")):  # .old: a swap cut between its renames
+        try:
+            return int(json.loads((d / "state.json").read_text())["global_step"])
+        except (OSError, ValueError, KeyError):
+            continue
+    return None
+
+
+def on_disk(work: Path) -> dict[str, int | None]:
+    """The steps of the checkpoints a stopped run left: the student's and the teacher's (in the
+    teacher entry's ``.partial`` directory, while it was being fine-tuned)."""
+    partial = sorted((work / "cache" / "teachers").glob(".*.partial"))
+    return {"student": _state_step(work / "run" / "checkpoints" / "last"),
+            "teacher": _state_step(partial[0] / "checkpoints" / "last") if partial else None}
+
+
+RESUMED = {"student": re.compile(r"resuming at stage \d+ step (\d+) from"),
+           "teacher": re.compile(r"resuming the teacher's fine-tuning at step (\d+) from")}
+
+
+def resume_problems(saved: dict[str, int | None], restart_log: str) -> list[str]:
+    """What is wrong with how the restart resumed from the checkpoints ``saved`` on disk: each must
+    be resumed from (at its step or a later one), never trained again from the start."""
+    problems = []
+    if "this run is complete" in restart_log:
+        return problems
+    for who, step in saved.items():
+        found = [int(m) for m in RESUMED[who].findall(restart_log)]
+        if step is not None and not found:
+            problems.append(f"the {who} started over (a checkpoint at step {step} was on disk)")
+        elif step is not None and min(found) < step:
+            problems.append(f"the {who} resumed at step {min(found)}, before the checkpoint at step {step}")
+    return problems
+
+
 def outcome(run_dir: Path) -> dict:
     """What must equal the reference: weights, every metric, the metrics log without timings."""
     from safetensors.torch import load_file
@@ -149,10 +238,24 @@ def same(a: dict, b: dict) -> list[str]:
     return diff + ([] if a["log"] == b["log"] else ["metrics.jsonl"])
 
 
+def judge(reference: dict, work: Path, restart_rc: int, saved: dict, restart_log: str) -> list[str]:
+    """Why a signalled run fails (empty: it passed): its one restart failed, resumed wrongly, or
+    ended differently from the reference."""
+    if restart_rc != 0:
+        return [f"the restart exited {restart_rc}"]
+    problems = resume_problems(saved, restart_log)
+    try:
+        return problems + [f"differs in {d}" for d in same(reference, outcome(work / "run"))]
+    except (OSError, KeyError, ValueError) as e:
+        return problems + [f"its outputs are unreadable ({e})"]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     sig = getattr(signal, f"SIG{args.signal}")
+    if args.ddp and sig != signal.SIGKILL:
+        raise SystemExit("--ddp kills one rank: use it with --signal KILL")
     ref_dir = out / "reference"
     out.mkdir(parents=True, exist_ok=True)
     timed_reference(command(args, ref_dir), out / "reference.log")
@@ -163,32 +266,50 @@ def main(argv: list[str] | None = None) -> int:
     if same(reference, outcome(out / "timing" / "run")):
         raise SystemExit("two uninterrupted runs differ: the comparison cannot count anything (see timing.log)")
     t_first = min(marks.values(), default=0.0)  # start-up (imports, config) is not drawn: nothing is written then
-    total = marks.get("outputs written", total) + 0.5  # after the outputs: only the exit is left
+    total = marks.get("outputs written", total)  # after the outputs only the exit is left: nothing to test
     print(f"[fuzz_kill] reference {total:.1f}s; phases began at " +
           ", ".join(f"{k} {v:.1f}s" for k, v in sorted(marks.items(), key=lambda kv: kv[1])), flush=True)
     rng = random.Random(args.seed)
-    identical, landed = 0, {}
-    for i in range(args.runs):
+    passed, counted, late, landed, failures = 0, 0, 0, {}, []
+    for i in range(2 * args.runs):
+        if counted == args.runs:
+            break
         work = out / f"run{i:03d}"
         delay = rng.uniform(t_first, total)
         with open(out / f"run{i:03d}.signalled.log", "w") as log:
-            hit = signalled_run(command(args, work), delay, sig, log)
+            hit = signalled_run(command(args, work), delay, sig, log, args.ddp)
         where = phase((out / f"run{i:03d}.signalled.log").read_text(errors="replace")) if hit else "finished first"
-        with open(out / f"run{i:03d}.restarts.log", "w") as log:
+        if where in ("outputs written", "finished first"):
+            late += 1
+            print(f"[fuzz_kill] draw {i}: SIG{args.signal} at {delay:.1f}s landed after the outputs ({where}): "
+                  "not counted, drawn again", flush=True)
+            continue
+        restart_log = out / f"run{i:03d}.restarts.log"
+        with open(restart_log, "w") as log:
             for _ in range(args.repeat):
-                signalled_run(command(args, work), rng.uniform(t_first, total), sig, log)
-            starts = finish(command(args, work), log)
+                signalled_run(command(args, work), rng.uniform(t_first, total), sig, log, args.ddp)
+            saved = on_disk(work)
+            log.write(f"[fuzz_kill] on disk before the restart: {json.dumps(saved)}\n")
+            log.flush()
+            rc = start(command(args, work), log).wait()
+        counted += 1
         landed[where] = landed.get(where, 0) + 1
-        diff = same(reference, outcome(work / "run"))
-        identical += not diff
-        print(f"[fuzz_kill] run {i}: SIG{args.signal} at {delay:.1f}s ({where}), {starts} more start(s): "
-              f"{'identical' if not diff else 'DIFFERS in ' + ', '.join(diff)}", flush=True)
-    print(f"[fuzz_kill] signals landed in: {', '.join(f'{k} {v}' for k, v in sorted(landed.items()))}")
-    print(f"[fuzz_kill] {identical}/{args.runs} identical to the uninterrupted run (SIG{args.signal}, reference "
-          f"{total:.1f}s)")
-    (out / "fuzz_kill.json").write_text(json.dumps({"runs": args.runs, "identical": identical, "signal": args.signal,
-                                                    "landed": landed, "reference_s": total}))
-    return 0 if identical == args.runs else 1
+        problems = judge(reference, work, rc, saved, restart_log.read_text(errors="replace"))
+        passed += not problems
+        if problems:
+            failures.append({"run": i, "phase": where, "problems": problems})
+        resumed = ", ".join(f"{k} from step {v}" for k, v in saved.items() if v is not None) or "nothing on disk"
+        print(f"[fuzz_kill] run {i}: SIG{args.signal} at {delay:.1f}s ({where}; {resumed}), one restart: "
+              f"{'passed' if not problems else 'FAILED: ' + '; '.join(problems)}", flush=True)
+    print(f"[fuzz_kill] signals landed in: {', '.join(f'{k} {v}' for k, v in sorted(landed.items()))}"
+          f"; {late} landed after the outputs (not counted)")
+    print(f"[fuzz_kill] {passed}/{args.runs} passed: one restart each, resumed at or after the checkpoint on "
+          f"disk, identical to the uninterrupted run (SIG{args.signal}{', one DDP rank' if args.ddp else ''}, "
+          f"reference {total:.1f}s)")
+    (out / "fuzz_kill.json").write_text(json.dumps({
+        "runs": args.runs, "counted": counted, "passed": passed, "identical": passed, "after_outputs": late,
+        "signal": args.signal, "ddp": args.ddp, "landed": landed, "failures": failures, "reference_s": total}))
+    return 0 if passed == counted == args.runs else 1
 
 
 if __name__ == "__main__":
