@@ -273,6 +273,11 @@ def estimate_bytes(teacher: torch.nn.Module, kinds: list[str], tokens: int, rows
     return item * (tokens * per_token + rows * max(1, num_labels) * 2) + 8 * (2 * rows + 1)
 
 
+def free_bytes(path: Path) -> int:
+    """Free bytes on ``path``'s file system."""
+    return shutil.disk_usage(path).free
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -597,20 +602,23 @@ def _decide(st: _Stage) -> dict[str, Any]:
     entry = root / key
 
     def build(tmp: Path) -> None:
-        free = shutil.disk_usage(tmp).free
+        free = free_bytes(tmp)
         if free < size:
             raise _NoRoom(free)
         st.say(f"[kdrun] teacher store: building {'+'.join(st.kinds)} of {len(lengths)} rows ({int(lengths.sum())} "
                f"tokens, {settings.dtype}): {_size(size)} in {entry}")
+        full = False
         try:
             build_store(tmp, st.parts.teacher, ds, lengths, st.parts.collator, plan.teacher_needs,
                         st.parts.train_cfg.eval_batch_size, acc, dtype, ids)
         except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise UserError(f"no space left on the device of cache_dir={settings.cache_dir} while building the "
-                                f"teacher store ({_size(size)}) for stage '{plan.name}': free space there, "
-                                "point cache_dir elsewhere or set teacher.store=off (nothing was published)") from None
-            raise
+            if e.errno != errno.ENOSPC:
+                raise
+            full = True
+        if full:  # raised outside the handler: the message is the whole story
+            raise UserError(f"no space left on the device of cache_dir={settings.cache_dir} while building the "
+                            f"teacher store ({_size(size)}) for stage '{plan.name}': free space there, "
+                            "point cache_dir elsewhere or set teacher.store=off (nothing was published)")
 
     try:
         entry, cached = get_or_build(settings.cache_dir, KIND, key, build, checksums=False)
