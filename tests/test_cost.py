@@ -122,3 +122,38 @@ def test_a_run_records_and_prints_its_cost(run_cfg, tmp_path: Path, capsys) -> N
     other = json.loads((tmp_path / "b" / "results.json").read_text())
     assert "cost" not in other and other["config_hash"] == res["config_hash"]
     assert "student vs teacher" not in capsys.readouterr().out
+
+
+def test_pareto_front_by_hand() -> None:
+    from kdrun.report.plots import pareto_front
+
+    points = [(1.0, 0.5), (2.0, 0.7), (2.0, 0.6), (3.0, 0.65), (4.0, 0.9), (0.5, 0.4), (5.0, 0.9)]
+    assert pareto_front(points) == [(0.5, 0.4), (1.0, 0.5), (2.0, 0.7), (4.0, 0.9)]
+
+
+def test_report_shows_smaller_and_faster_and_plots_the_front(tmp_path: Path, capsys) -> None:
+    import csv
+
+    from kdrun.report.cli import report
+    from tests.test_report import write_run
+
+    def with_cost(d: Path, smaller: float, latency: float, teacher_latency: float) -> None:
+        res = json.loads((d / "results.json").read_text())
+        res["teacher"] = {"metrics": {"validation": {"accuracy": 0.9}}}
+        res["cost"] = {"student": {"latency_ms": latency}, "teacher": {"latency_ms": teacher_latency},
+                       "ratios": {"smaller": smaller, "faster": teacher_latency / latency}}
+        (d / "results.json").write_text(json.dumps(res))
+
+    root = tmp_path / "m"
+    with_cost(write_run(root, "a1", "rte", "ckd", 1, 0.60), 2.0, 2.0, 8.0)
+    with_cost(write_run(root, "a2", "rte", "ckd", 2, 0.64), 3.0, 4.0, 8.0)  # medians: 2.5× smaller, 3.0× faster
+    write_run(root, "b1", "rte", "logit", 1, 0.62)  # no cost recorded
+    rep = report([root], tmp_path / "out")
+    printed = capsys.readouterr().out
+    assert rep["header"][-2:] == ["× smaller", "× faster"]
+    assert "| bert_L4_H312 | ckd | 62.00 ± 2.83 | 62.00 | 2.5× | 3.0× |" in printed
+    assert "| bert_L4_H312 | logit | 62.00 | 62.00 | — | — |" in printed
+    rows = {r["objective"]: r for r in csv.DictReader((tmp_path / "out" / "table.csv").open())}
+    assert float(rows["ckd"]["x_smaller"]) == 2.5 and float(rows["ckd"]["student_latency_ms"]) == 3.0
+    assert rows["logit"]["x_faster"] == ""
+    assert (tmp_path / "out" / "pareto.png").stat().st_size > 0

@@ -16,6 +16,11 @@ task's minimal detectable effect says how large a difference its seeds can detec
 
 The ``baseline`` row is the constant predictor's score that the runs recorded (kdrun.tasks.baselines),
 and a cell whose mean is within noise of it (or below it) is marked and listed.
+
+When the runs measured their cost (results.json ``cost``, kdrun.report.cost), two columns follow the
+average: ``× smaller`` (the teacher's parameters over the student's) and ``× faster`` (the teacher's
+batch-1 latency over the student's), each the median over the row's chosen runs; the CSV gives them per
+cell with the latencies, and ``pareto.png`` plots every run's dev score against its student's latency.
 """
 
 from __future__ import annotations
@@ -29,7 +34,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kdrun.report.plots import FIGURE_FORMATS, plot_curves, plot_objectives, plot_seed_spread, plot_sweeps
+from kdrun.report.plots import (
+    FIGURE_FORMATS,
+    plot_curves,
+    plot_objectives,
+    plot_pareto,
+    plot_seed_spread,
+    plot_sweeps,
+)
 from kdrun.report.results import (  # noqa: F401  (re-exported: kdrun.report.cli is the public entry)
     Cell,
     Problem,
@@ -126,6 +138,56 @@ def _chosen_lines(cells: dict[tuple, dict[str, Cell]], tasks: list[str]) -> list
     return lines
 
 
+# ------------------------------------------------------------------------------------------- cost
+
+COST_COLUMNS = ["× smaller", "× faster"]
+
+
+def run_cost(run: RunRecord) -> dict[str, Any] | None:
+    """The run's measured cost (results.json ``cost``), or None when it has none."""
+    try:
+        cost = json.loads((run.path / "results.json").read_text()).get("cost")
+    except (OSError, json.JSONDecodeError):
+        return None
+    return cost if isinstance(cost, dict) and "student" in cost else None
+
+
+def _median_ratio(runs: list[RunRecord], costs: dict[Path, dict[str, Any] | None], key: str) -> float | None:
+    values = [costs[r.path]["ratios"][key] for r in runs if costs.get(r.path) and "ratios" in costs[r.path]]
+    return statistics.median(values) if values else None
+
+
+def cost_cells(cells: dict[tuple, dict[str, Cell]], costs: dict[Path, dict[str, Any] | None]) -> dict[tuple, list[str]]:
+    """Per row: ``× smaller`` and ``× faster``, medians over the runs of the row's chosen cells ("—" without)."""
+    out = {}
+    for row, cs in cells.items():
+        runs = [r for c in cs.values() for r in c.runs]
+        out[row] = [f"{v:.1f}×" if v is not None else "—"
+                    for v in (_median_ratio(runs, costs, "smaller"), _median_ratio(runs, costs, "faster"))]
+    return out
+
+
+def pareto_points(runs: list[RunRecord], costs: dict[Path, dict[str, Any] | None]) -> list[dict[str, Any]]:
+    """One point per run with a cost: task, row label, dev score, student latency (ms) and, when
+    measured, the teacher's latency and dev score."""
+    points = []
+    for r in runs:
+        c = costs.get(r.path)
+        if not c:
+            continue
+        teacher_value = None
+        if c.get("teacher"):
+            try:
+                res = json.loads((r.path / "results.json").read_text())
+                teacher_value = next(iter(res["teacher"]["metrics"].values()))[r.metric]
+            except (OSError, KeyError, StopIteration, TypeError, json.JSONDecodeError):
+                pass
+        points.append({"task": r.task, "row": " / ".join(r.row), "value": r.value, "metric": r.metric,
+                       "latency_ms": c["student"]["latency_ms"], "teacher_value": teacher_value,
+                       "teacher_latency_ms": (c.get("teacher") or {}).get("latency_ms")})
+    return points
+
+
 def _report_text(t: dict[str, Any], problems: list[Problem], scale: float) -> str:
     """The Markdown report: table, significance footnote, chosen settings, comparisons, problems."""
     parts = [markdown(t["header"], t["rows"])]
@@ -156,7 +218,8 @@ def _csv_text(t: dict[str, Any]) -> str:
     w = csv.writer(buf)
     w.writerow([*t["label_cols"], "task", "metric", "mean", "std", "n_seeds", "seeds", "values", "setting",
                 "n_settings", "baseline", "n_pairs", "mean_diff_vs_finetune", "p_vs_finetune", "p_ttest_vs_finetune",
-                "mde_vs_finetune", "constant_baseline", "constant_baseline_se", "near_constant_baseline"])
+                "mde_vs_finetune", "constant_baseline", "constant_baseline_se", "near_constant_baseline",
+                "x_smaller", "x_faster", "student_latency_ms", "teacher_latency_ms"])
     for row in sorted(cells):
         for task in tasks:
             c = cells[row].get(task)
@@ -171,8 +234,21 @@ def _csv_text(t: dict[str, Any]) -> str:
             w.writerow([*row, task, metric_of[task], f"{c.mean:.6f}", f"{c.std:.6f}", len(c.values),
                         " ".join(str(r.seed) for r in c.runs), " ".join(f"{v:.6f}" for v in c.values),
                         json.dumps(c.setting, default=str), c.n_settings, *sig, _num(cell_mde(cmp, t["alpha"])),
-                        *_constant_cols(cell_baseline(c.runs)), t["near"].get(row, {}).get(task, "")])
+                        *_constant_cols(cell_baseline(c.runs)), t["near"].get(row, {}).get(task, ""),
+                        *_cost_cols(c.runs, t["costs"])])
     return buf.getvalue()
+
+
+def _cost_cols(runs: list[RunRecord], costs: dict[Path, dict[str, Any] | None]) -> list[str]:
+    """A cell's median ratios and latencies over its runs (empty without cost)."""
+    measured = [costs[r.path] for r in runs if costs.get(r.path)]
+
+    def med(values: list[float]) -> str:
+        return _num(statistics.median(values)) if values else ""
+
+    return [_num(_median_ratio(runs, costs, "smaller")), _num(_median_ratio(runs, costs, "faster")),
+            med([c["student"]["latency_ms"] for c in measured]),
+            med([c["teacher"]["latency_ms"] for c in measured if c.get("teacher")])]
 
 
 def _num(x: float | None) -> str:
@@ -191,6 +267,9 @@ def _figures(runs: list[RunRecord], t: dict[str, Any], out: Path, scale: float, 
         spread = plot_seed_spread(cells, tasks, out, scale)
         written += [spread] if spread else []
         written += plot_curves(cells, tasks, out)
+    points = pareto_points(runs, t["costs"]) if plots else []
+    if points:
+        written.append(plot_pareto(points, out / "pareto.png", scale))
     if runs and (plots or figure is not None):
         fig_path = plot_objectives(cells, tasks, figure if figure is not None else out / "objectives.png", scale,
                                    t["comparisons"], alpha, t["metric_of"])
@@ -206,9 +285,15 @@ def build_table(runs: list[RunRecord], row_keys: list[str], scale: float, alpha:
     metric_of = {t: next(r.metric for r in runs if r.task == t) for t in tasks}
     comparisons = compare_with_baseline(cells)
     const = _constant_parts(runs, cells, tasks, len(label_cols), scale)
+    costs = {r.path: run_cost(r) for r in runs}
+    rows = table_rows(cells, tasks, scale, comparisons, alpha, const["near"]) + const.pop("row")
+    extra = []
+    if any(costs.values()):  # × smaller / × faster beside the average
+        extra, ratio = COST_COLUMNS, cost_cells(cells, costs)
+        rows = [[*r, *ratio.get(tuple(r[:len(label_cols)]), ["—", "—"])] for r in rows]
     return {"cells": cells, "swept": swept, "tasks": tasks, "label_cols": label_cols, "metric_of": metric_of,
-            "header": [*label_cols, *[f"{t} ({metric_of[t]})" for t in tasks], "avg"],
-            "rows": table_rows(cells, tasks, scale, comparisons, alpha, const["near"]) + const.pop("row"),
+            "header": [*label_cols, *[f"{t} ({metric_of[t]})" for t in tasks], "avg", *extra], "costs": costs,
+            "rows": rows,
             "comparisons": comparisons, "footnote": significance_footnote(comparisons, alpha), "alpha": alpha,
             "sig_lines": comparison_lines(comparisons, tasks, scale), "chosen": _chosen_lines(cells, tasks),
             "mde_lines": mde_lines(comparisons, cells, tasks, scale, alpha), **const}

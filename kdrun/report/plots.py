@@ -11,6 +11,7 @@ from typing import Any
 
 from kdrun.report.results import Cell, RunRecord, group_by_setting, swept_keys
 from kdrun.report.significance import BASELINE_OBJECTIVE, SIGN_FLIP_MARK, TTEST_MARK, Comparison, _per_seed
+from kdrun.tasks.kinds import metric_sign
 
 # ------------------------------------------------------------------------------------------ plots
 
@@ -196,6 +197,50 @@ def plot_objectives(cells: dict[tuple, dict[str, Cell]], tasks: list[str], path:
     ax.set_title(title, fontsize=9)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, path)
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (latency, score) points no other point beats on both (at most as slow and at least as good,
+    better on one), sorted by latency: the best score reachable at each latency."""
+    front: list[tuple[float, float]] = []
+    for lat, score in sorted(points, key=lambda p: (p[0], -p[1])):
+        if not front or score > front[-1][1]:
+            front.append((lat, score))
+    return front
+
+
+def plot_pareto(points: list[dict[str, Any]], path: Path, scale: float) -> Path:
+    """Dev score against the student's batch-1 latency, one panel per task: each run a point coloured
+    by its row, the teachers as stars, the Pareto front of the students as a step line."""
+    plt = _pyplot()
+
+    tasks = sorted({p["task"] for p in points})
+    rows = sorted({p["row"] for p in points})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks) + 1.5, 3.8), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        mine = [p for p in points if p["task"] == task]
+        for i, row in enumerate(rows):
+            pts = [p for p in mine if p["row"] == row]
+            if pts:
+                ax.scatter([p["latency_ms"] for p in pts], [p["value"] * scale for p in pts], s=22,
+                           color=colors[i % len(colors)], label=row, zorder=3)
+        teachers = {(p["teacher_latency_ms"], p["teacher_value"]) for p in mine
+                    if p["teacher_latency_ms"] is not None and p["teacher_value"] is not None}
+        if teachers:
+            ax.scatter([t[0] for t in teachers], [t[1] * scale for t in teachers], marker="*", s=120, color="0.3",
+                       label="teacher", zorder=3)
+        sign = metric_sign(mine[0]["metric"])  # losses: lower is better
+        front = pareto_front([(p["latency_ms"], sign * p["value"]) for p in mine])
+        ax.step([f[0] for f in front], [sign * f[1] * scale for f in front], where="post", color="0.5", lw=1, zorder=2)
+        ax.set_xscale("log")
+        ax.set_xlabel("latency at batch 1 (ms, log scale)")
+        ax.set_ylabel(f"dev {mine[0]['metric']} ×{scale:g}")
+        ax.set_title(task)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle("score vs latency (each run; line: Pareto front of the students)", fontsize=9)
     return _save(fig, path)
 
 
