@@ -87,3 +87,52 @@ def test_ages_and_a_missing_cache_are_clear(tmp_path: Path, capsys) -> None:
         parse_age("a week")
     assert main(["--cache-dir", str(tmp_path / "nope"), "list"]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_gc_max_size_evicts_least_recently_used_entries_not_in_use(tmp_path: Path, capsys) -> None:
+    import fcntl
+
+    from kdrun.runtime.cache import get_or_build
+    from kdrun.runtime.cache_cli import evict_to_size, parse_size
+
+    root = tmp_path / "cache"
+    kib = 1024
+    for name, days in (("old", 30), ("held", 20), ("mid", 10), ("new", 1)):
+        age_tree(make_entry(root / "teacher_outputs" / name, b"x" * (100 * kib)), days)
+    (root / "teacher_outputs" / "gone.lock").touch()  # a lock file nobody holds, left by an old build
+    age_tree(root / "teacher_outputs" / "gone.lock", 30)
+    # a run that reads "held" holds a shared lock on its manifest; "mid" was just used (its time renewed)
+    fd = os.open(root / "teacher_outputs" / "held" / COMPLETE_MARKER, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    assert get_or_build(root, "teacher_outputs", "mid", lambda tmp: None, checksums=False)[1]
+    try:
+        assert main(["--cache-dir", str(root), "gc", "--max-size", "250K", "--dry-run"]) == 0
+        assert all((root / "teacher_outputs" / n).exists() for n in ("old", "held", "mid", "new"))
+        assert main(["--cache-dir", str(root), "gc", "--max-size", "250K"]) == 0
+        out = capsys.readouterr().out
+        # least recently used first: old goes, held is in use, then new (mid was used after it)
+        assert "in use by a running process" in out
+        left = sorted(p.name for p in (root / "teacher_outputs").iterdir())
+        assert left == ["held", "mid"], left
+    finally:
+        os.close(fd)
+    assert evict_to_size(root, 150 * kib / 2**30) and sorted(p.name for p in (root / "teacher_outputs").iterdir()) \
+        == ["mid"]
+    assert parse_size("50G") == 50 * 2**30 and parse_size("1.5m") == int(1.5 * 2**20) and parse_size("3") == 3 * 2**30
+    with pytest.raises(Exception, match="give a number and a unit"):
+        parse_size("lots")
+
+
+def test_cache_max_gb_bounds_the_cache_after_a_run(tmp_path: Path) -> None:
+    import io
+    from contextlib import redirect_stdout
+
+    from kdrun.app.run import run
+    from tests.conftest import TINY, TOY, compose
+
+    root = tmp_path / "cache"
+    age_tree(make_entry(root / "tokenized" / "stale", b"x" * 2**20), 30)  # 1 MiB, not used for a month
+    with redirect_stdout(io.StringIO()):
+        run(compose([*TINY, *TOY, "objective=logit", f"cache_dir={root}", "cache_max_gb=0.0005"]), tmp_path / "r")
+    assert not (root / "tokenized" / "stale").exists()
+    assert any((root / "teachers").iterdir())  # this run's teacher (recently used, small) stays

@@ -132,6 +132,8 @@ def print_items(items: list[Item]) -> None:
 def writer_gone(item: Item) -> bool:
     """True when no process holds the entry's lock (a staging directory's writer has stopped)."""
     lock = item.path.parent / f"{item.key}.lock"
+    if not lock.exists():  # never created, or removed as stale: nobody builds (and none is made here)
+        return True
     try:
         with FileLock(str(lock), timeout=0):
             return True
@@ -160,6 +162,7 @@ def evict(item: Item) -> bool:
     """Remove a published entry unless a process uses it: under its lock and an exclusive lock on its
     manifest, renamed away (a run looking it up finds it whole or not at all), then deleted."""
     lock = item.path.parent / f"{item.key}.lock"
+    made = not lock.exists()
     try:
         with FileLock(str(lock), timeout=0):
             fd = os.open(item.path / COMPLETE_MARKER, os.O_RDONLY)
@@ -172,6 +175,8 @@ def evict(item: Item) -> bool:
                 os.replace(item.path, gone)
             finally:
                 os.close(fd)
+            if made:  # no lock file piles up for an entry gone
+                lock.unlink(missing_ok=True)
     except (Timeout, FileNotFoundError):
         return False
     shutil.rmtree(gone, ignore_errors=True)
