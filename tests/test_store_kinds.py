@@ -97,7 +97,7 @@ def test_a_row_id_outside_the_entry_is_refused() -> None:
 
 
 def test_left_padded_batches_are_refused(tmp_path: Path) -> None:
-    from kdrun.engine.teacher_store import _Writer, RowMap
+    from kdrun.engine.teacher_store import RowMap, _Writer
 
     offsets = np.array([0, 2, 5])
     w = _Writer(tmp_path, offsets, RowMap(np.arange(2)), torch.float32)

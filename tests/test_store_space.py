@@ -70,7 +70,7 @@ def test_too_little_free_space_runs_the_teacher_live(small_tmpfs: Path, tmp_path
 
 
 def test_files_are_allocated_not_sparse(tmp_path: Path) -> None:
-    from kdrun.engine.teacher_store import _Writer, RowMap
+    from kdrun.engine.teacher_store import RowMap, _Writer
 
     w = _Writer(tmp_path, np.array([0, 3000, 6000]), RowMap(np.arange(2)), torch.float32)
     w._array("hidden.0", True, 256)
