@@ -131,3 +131,30 @@ def test_bench_engine_fast_prints_the_ratios(tmp_path: Path) -> None:
     # the naive step reads the loss, every term and the token count on the host; kdrun's step none of them
     for r in res["engine_vs_naive"].values():
         assert r["naive"]["syncs_per_step"] >= r["kdrun"]["syncs_per_step"] + 4
+
+
+def test_precision_student_kinds_each_step_with_fp32_master_weights(quick_run) -> None:
+    """A row per student kind (truncated first) and mixed precision, built as a run builds it."""
+    proc, report = quick_run
+    rows = [c for c in report["checks"] if c["name"].startswith("student ") and "precision" in c["data"]]
+    kinds = list(dict.fromkeys(c["data"]["student_kind"] for c in rows))
+    assert kinds == ["truncated", "pretrained (bf16 checkpoint)", "random", "corpus"]
+    assert {c["data"]["precision"] for c in rows} == ({"bf16", "fp16"} if not torch.cuda.is_available()
+                                                       else {c["data"]["precision"] for c in rows})
+    assert all(c["status"] == "pass" and "fp32 master weights" in c["detail"] for c in rows), rows
+
+
+def test_precision_student_check_fails_on_bf16_master_weights() -> None:
+    """The judge fails a step made on bf16 parameters (the updates round away) and names why."""
+    from kdrun.app.doctor_students import judge_step
+
+    torch.manual_seed(0)
+    w = torch.randn(2048) * 0.05
+    update = torch.full_like(w, 5e-5) * torch.sign(torch.randn(2048))
+    ref = {"delta": (w + update) - w, "dtypes": {"torch.float32"}}
+    w16 = w.to(torch.bfloat16)
+    lost = {"delta": ((w16 + update.to(torch.bfloat16)).float() - w16.float()), "dtypes": {"torch.float32"}}
+    ok, detail = judge_step(lost, ref)
+    assert not ok and "lost to rounding" in detail
+    assert not judge_step({**ref, "dtypes": {"torch.bfloat16"}}, ref)[0]
+    assert judge_step(ref, ref)[0]

@@ -4,7 +4,9 @@
 
 Checks, one printed line each: the torch / CUDA build and devices and what ``train.precision=auto``
 becomes; an all-reduce across the visible GPUs (NCCL, with two or more of them) or between two CPU
-processes (gloo); one training step of every objective that runs on a labelled task, through kdrun's
+processes (gloo); one training step of each student kind (truncated first) built as a run builds it,
+in every precision, asserting fp32 master weights and no update lost to rounding
+(kdrun.app.doctor_students); one training step of every objective that runs on a labelled task, through kdrun's
 own engine (kdrun.engine.trainer.train_step), in every precision that applies, each loss compared with the
 fp32 one; and throughput and peak memory of a bert_base-shaped teacher distilled into a 4-layer,
 312-wide student (random weights, no download) with logit KD and with CKD. Everything is also
@@ -610,6 +612,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kdrun.app.doctor_students import check_student_kinds
+
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -617,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report()
     device = check_environment(report)
     check_collectives(report, device)
+    check_student_kinds(report, device, precisions_for(device))
     check_precision_steps(report, device)
     check_throughput(report, args.quick, device)
     out = Path(args.out)

@@ -45,8 +45,9 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
 
     if cfg.objective.balance not in BALANCE_METHODS:
         raise ConfigError(f"objective.balance='{cfg.objective.balance}' must be one of {', '.join(BALANCE_METHODS)}")
-    if cfg.teacher.dtype not in ("auto", "fp32", "bf16", "fp16"):
-        raise ConfigError(f"teacher.dtype='{cfg.teacher.dtype}' must be auto, fp32, bf16 or fp16")
+    for role in ("teacher", "student"):
+        if cfg[role].dtype not in ("auto", "fp32", "bf16", "fp16"):
+            raise ConfigError(f"{role}.dtype='{cfg[role].dtype}' must be auto, fp32, bf16 or fp16")
     _check_store(cfg.teacher)
     try:  # checked here, not at the first evaluation after the teacher has trained
         kind.check_metrics(list(cfg.task.metrics), cfg.task)
