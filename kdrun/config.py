@@ -178,8 +178,10 @@ class ModelConfig:
     dropout: Optional[float] = None
     # Teacher only: a fine-tuned checkpoint directory to load instead of fine-tuning.
     checkpoint: Optional[str] = None
-    # Teacher only: the dtype of the frozen teacher's weights while distilling: ``auto`` (the
-    # training precision: bf16/fp16 under mixed precision, fp32 otherwise), ``fp32``, ``bf16``, ``fp16``.
+    # Teacher: the dtype of the frozen teacher's weights while distilling: ``auto`` (the training
+    # precision: bf16/fp16 under mixed precision, fp32 otherwise), ``fp32``, ``bf16``, ``fp16``.
+    # Student: the dtype the kept student is saved in (``auto`` = fp32); it always trains with fp32
+    # master weights, whatever the precision.
     dtype: str = "auto"
     # Teacher only: the teacher-output store (kdrun/engine/teacher_store.py): ``auto`` reads a frozen
     # teacher's outputs from the cache where that is faster than running it (building them once),
@@ -407,14 +409,14 @@ class KdrunConfig:
     launcher: Dict[str, Any] = field(default_factory=dict)
     # Where fine-tuned teachers and other expensive, deterministic artefacts are cached.
     cache_dir: str = "${oc.env:KDRUN_CACHE_DIR,${oc.env:HOME,.}/.cache/kdrun}"
-    # Continue from the checkpoints in the run directory when they exist (true), or start over
-    # (false). ``wait``: like true, but wait for another process using the run directory to end
     # After a run, evict the least recently used cache entries until the cache holds at most this
     # many GiB (``kdrun-cache gc --max-size``; entries in use are kept); null: never.
     cache_max_gb: Optional[float] = None
     # How long the other processes of a data-parallel run wait for rank 0 to build a cache entry
     # (the fine-tuned teacher, the teacher-output store) before giving up, in seconds.
     cache_wait_timeout_s: float = 43200.0
+    # Continue from the checkpoints in the run directory when they exist (true), or start over
+    # (false). ``wait``: like true, but wait for another process using the run directory to end
     # instead of failing at once.
     resume: Any = True
     output_dir: Optional[str] = None

@@ -337,8 +337,17 @@ def load_teacher(session: Session, data: RunData) -> Models:
         p.requires_grad_(False)
     teacher.eval()
     arch = M.describe(acc.unwrap_model(teacher))
-    teacher = compiled(session, cast_teacher(acc.unwrap_model(teacher), cfg.teacher.dtype, acc.precision))
-    return Models(teacher, info, time.perf_counter() - t0, teacher_arch=arch)
+    # Kept in its stored dtype (fp32) until the student is built: a truncated student copies these
+    # weights and must start from them, not from a bf16/fp16 cast (see frozen_teacher).
+    return Models(acc.unwrap_model(teacher), info, time.perf_counter() - t0, teacher_arch=arch)
+
+
+def frozen_teacher(session: Session, teacher):
+    """The teacher as it runs while distilling: cast to ``teacher.dtype`` and compiled when asked.
+    Called after the student is built, so no student ever copies a cast teacher."""
+    if teacher is None:
+        return None
+    return compiled(session, cast_teacher(teacher, session.cfg.teacher.dtype, session.accelerator.precision))
 
 
 def cast_teacher(teacher, dtype: str, precision):
@@ -353,7 +362,7 @@ def cast_teacher(teacher, dtype: str, precision):
         target = dtypes[dtype]
     else:
         raise ConfigError(f"teacher.dtype={dtype!r} is not one of auto, {', '.join(dtypes)}")
-    return teacher.to(target) if target != torch.float32 else teacher
+    return teacher.to(target)
 
 
 def compiled(session: Session, model):
@@ -375,7 +384,10 @@ def build_student(session: Session, data: RunData, models: Models) -> Models:
 
     cfg, acc = session.cfg, session.accelerator
     seed_everything(cfg.train.seed)
-    student = _new_student(session, data, models.teacher)
+    # fp32 master weights whatever the teacher's or the checkpoint's dtype: autocast runs the
+    # forward in bf16/fp16, the parameters, their gradients and the optimizer state stay fp32.
+    student = _new_student(session, data, models.teacher).float()
+    models.teacher = frozen_teacher(session, models.teacher)
     if cfg.student.dropout is not None and cfg.student.kind == "truncated":
         for m in student.modules():
             if m.__class__.__name__ == "Dropout":
@@ -487,7 +499,7 @@ def write_outputs(session: Session, data: RunData, models: Models, parts, state,
         if session.cfg.report.cost:
             summary["cost"] = measure_cost(session, data, models)
         with staging_dir(session.run_dir / "student") as tmp:
-            acc.unwrap_model(models.student).save_pretrained(tmp)
+            saved_student(acc.unwrap_model(models.student), session.cfg.student.dtype).save_pretrained(tmp)
             data.tokenizer.save_pretrained(tmp)
             from kdrun.report.card import write_card
 
@@ -502,6 +514,16 @@ def write_outputs(session: Session, data: RunData, models: Models, parts, state,
         if hint:
             print(f"wandb (offline): {hint}")
     return summary
+
+
+def saved_student(student, dtype: str):
+    """The student as written: its fp32 training weights, or a copy cast to ``student.dtype``."""
+    import copy
+
+    import torch
+
+    target = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+    return student if target is None else copy.deepcopy(student).to(target)
 
 
 def measure_cost(session: Session, data: RunData, models: Models) -> dict[str, Any]:
