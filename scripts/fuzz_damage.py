@@ -8,7 +8,11 @@ Scenarios (tiny models, so each rerun takes seconds):
 
 * ``task``: the toy task with ``objective=tinybert`` and ``teacher.store=on``: cache entries of kinds
   ``teachers``, ``tokenized`` and ``teacher_outputs``; and an interrupted run (stopped after 4 steps,
-  a checkpoint every 3) whose ``checkpoints/last`` is damaged before it is resumed;
+  a checkpoint every 3, an evaluation every step of the second stage) whose ``checkpoints/last``
+  (step 3) or ``checkpoints/best`` (step 4) is damaged before it is resumed;
+* ``partial``: a run killed while it fine-tunes the teacher, in directories whose names hold spaces
+  and non-ASCII letters: the teacher entry's ``.partial`` build directory (its checkpoint) is damaged
+  before the run is resumed;
 * ``augment``: the toy task with TinyBERT's augmentation from a tiny masked LM: ``augmented``;
 * ``spans``: MGSKD on the toy task, its chunker trained on a tiny CoNLL-format corpus: ``chunkers`` and
   the tokenised splits with their spans (``tokenized``);
@@ -20,10 +24,12 @@ directory, a checkpoint file by resuming the interrupted run. Outcomes:
 
 * ``rebuilt``: the run finished, printed a one-line ``[kdrun]`` message naming the damage, and its
   student, metrics and metrics log equal the undamaged run's exactly;
-* ``refused``: the run stopped with an error naming the damaged file or entry and what to do;
-* ``silently used``: the run finished without a word about the damage (must be 0);
+* ``refused``: the run stopped with exit status 2 and a ``kdrun: error:`` line naming the damaged
+  file or its entry (full path) and what to do;
+* ``silently used``: the run finished without a ``[kdrun]`` line about the damaged file or its
+  entry (must be 0);
 * ``wrong``: the run finished and said so, but its result differs from the undamaged run's;
-* ``unclear failure``: the run failed without naming the damage.
+* ``unclear failure``: any other exit (a traceback, exit status 1, a message about something else).
 
 Prints one line per trial and the counts, e.g. ``0 silently used``.
 """
@@ -32,8 +38,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -53,7 +61,7 @@ MESSAGE_WORDS = ("damaged", "no manifest", "rebuilding", "moved to")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="outputs/fuzz_damage")
-    p.add_argument("--scenarios", default="task,augment,spans,corpus")
+    p.add_argument("--scenarios", default="task,partial,augment,spans,corpus")
     p.add_argument("--fast", action="store_true", help="a few (file, damage) pairs per scenario, for the tests")
     p.add_argument("--per-scenario", type=int, default=3, help="with --fast: trials per scenario")
     p.add_argument("--seed", type=int, default=0)
@@ -97,8 +105,11 @@ def scenario_args(name: str, shared: Path) -> tuple[list[str], list[str]]:
     """(the run's overrides, the cache kinds whose files are damaged)."""
     if name == "task":
         return [*TINY, *TOY, "objective=tinybert", "objective.params.intermediate_epochs=1",
-                "objective.params.prediction_epochs=1", "teacher.store=on", "train.checkpoint_every_steps=3"], \
-            ["teachers", "tokenized", "teacher_outputs"]
+                "objective.params.prediction_epochs=1", "teacher.store=on", "train.checkpoint_every_steps=3",
+                "objective.stages.1.eval_every_steps=1"], ["teachers", "tokenized", "teacher_outputs"]
+    if name == "partial":  # enough teacher steps for the kill to land in its fine-tuning
+        return [*TINY, "task=toy", "task.toy.num_train=160", "task.toy.num_validation=32",
+                "teacher.finetune.epochs=4", "objective=logit", "train.epochs=1", "train.checkpoint_every_steps=3"], []
     if name == "augment":
         mlm = make_mlm(shared / "tiny_mlm")
         return [*TINY, *TOY, "objective=two_stage_logit", "train.epochs=1", "augmentation=tinybert",
@@ -114,7 +125,7 @@ def scenario_args(name: str, shared: Path) -> tuple[list[str], list[str]]:
         return [*TINY, "task=text_corpus", f"task.data_files={corpus}", "task.validation_percent=15",
                 "task.max_seq_length=24", "objective=distilbert_general", "train.epochs=1",
                 "objective.stages.0.batch_size=8"], ["corpus"]
-    raise SystemExit(f"--scenarios: unknown scenario {name!r}; choose from task, augment, spans, corpus")
+    raise SystemExit(f"--scenarios: unknown scenario {name!r}; choose from task, partial, augment, spans, corpus")
 
 
 def kdrun(overrides: list[str], cache: Path, run_dir: Path, log: Path) -> int:
@@ -151,20 +162,54 @@ def damage(path: Path, how: str) -> bool:
     return True
 
 
+def entry_of(path: Path) -> Path:
+    """The directory a damaged file's message names: its cache entry (``<kind>/<key>``, or a build's
+    ``.<key>.partial``; a checkpoint inside one: that checkpoint) or its checkpoint directory."""
+    parts = path.parts
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i] in ("last", "best") and parts[i - 1] == "checkpoints":
+            return Path(*parts[:i + 1])
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i - 1] == "cache" or parts[i].endswith(".partial"):
+            return Path(*parts[:i + 2]) if parts[i - 1] == "cache" else Path(*parts[:i + 1])
+    return path.parent
+
+
 def classify(rc: int, log: str, same: bool, names: tuple[str, ...]) -> str:
-    said = [line for line in log.splitlines() if line.startswith("[kdrun]") and any(w in line for w in MESSAGE_WORDS)]
+    """The outcome of a rerun by its exit status and what it printed about ``names`` (the damaged
+    file's and its entry's full paths): only a line naming one of them counts."""
+    lines = log.splitlines()
     if rc == 0:
+        said = [line for line in lines if line.startswith("[kdrun]") and any(w in line for w in MESSAGE_WORDS)
+                and any(n in line for n in names)]
         if not said:
             return "silently used"
         return "rebuilt" if same else "wrong"
-    tail = "\n".join(log.splitlines()[-15:])
-    return "refused" if any(n in tail for n in names) else "unclear failure"
+    errors = [line for line in lines if line.startswith("kdrun: error:")]
+    return "refused" if rc == 2 and any(n in line for line in errors for n in names) else "unclear failure"
+
+
+def interrupt_teacher(overrides: list[str], cache: Path, run_dir: Path, log: Path) -> Path:
+    """Start the run and SIGKILL it once the teacher's fine-tuning has written a checkpoint into its
+    entry's ``.partial`` build directory; that directory."""
+    with open(log, "w") as f:
+        proc = fk.start(fk.kdrun_command(overrides, cache, run_dir), f)
+        while proc.poll() is None:
+            found = [p for p in (cache / "teachers").glob(".*.partial")
+                     if (p / "checkpoints" / "last" / ".complete").exists()]
+            if found:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return found[0]
+            time.sleep(0.01)
+    raise SystemExit(f"the teacher's fine-tuning ended before a checkpoint could be caught: see {log}")
 
 
 def prepare(name: str, out: Path) -> dict:
-    """The scenario's pristine tree: a finished run (the reference) and, for ``task``, an interrupted one."""
+    """The scenario's pristine tree: a finished run (the reference) and, for ``task``, an interrupted
+    one; for ``partial``, a run killed while it fine-tunes the teacher."""
     overrides, kinds = scenario_args(name, out)
-    base = out / name / "pristine"
+    base = out / name / ("prístine run ü" if name == "partial" else "pristine")
     if base.exists():
         shutil.rmtree(base)
     base.mkdir(parents=True)
@@ -173,17 +218,23 @@ def prepare(name: str, out: Path) -> dict:
         raise SystemExit(f"the undamaged {name} run failed: see {base / 'reference.log'}")
     sc = {"name": name, "overrides": overrides, "kinds": kinds, "base": base,
           "reference": fk.outcome(base / "run")}
-    if name == "task":  # stop after 4 steps: checkpoints/last holds step 3
+    if name == "task":  # stop after 4 steps: checkpoints/last holds step 3, checkpoints/best step 4
         kdrun([*overrides, "train.stop_after_steps=4"], base / "cache", base / "stopped", base / "stopped.log")
-        if not (base / "stopped" / "checkpoints" / "last").exists():
-            raise SystemExit(f"the interrupted {name} run left no checkpoint: see {base / 'stopped.log'}")
+        for d in ("last", "best"):
+            if not (base / "stopped" / "checkpoints" / d).exists():
+                raise SystemExit(f"the interrupted {name} run left no checkpoints/{d}: see {base / 'stopped.log'}")
+    if name == "partial":
+        interrupt_teacher(overrides, base / "killed cache é", base / "killed run é", base / "killed.log")
     return sc
 
 
 def targets(sc: dict) -> list[Path]:
     files = entry_files(sc["base"] / "cache", sc["kinds"])
     ckpt = sc["base"] / "stopped" / "checkpoints"
-    return files + (sorted(p for p in ckpt.rglob("*") if p.is_file()) if ckpt.exists() else [])
+    files += sorted(p for p in ckpt.rglob("*") if p.is_file()) if ckpt.exists() else []
+    partial = sc["base"] / "killed cache é" / "teachers"
+    return files + (sorted(p for d in partial.glob(".*.partial") for p in d.rglob("*") if p.is_file())
+                    if partial.exists() else [])
 
 
 def trial(sc: dict, target: Path, how: str, work: Path) -> tuple[str, str]:
@@ -194,14 +245,18 @@ def trial(sc: dict, target: Path, how: str, work: Path) -> tuple[str, str]:
     rel = target.relative_to(sc["base"])
     if not damage(work / rel, how):
         return "not applicable", ""
-    is_ckpt = rel.parts[0] == "stopped"
-    run_dir = work / ("stopped" if is_ckpt else "rerun")
-    rc = kdrun(sc["overrides"], work / "cache", run_dir, work / "trial.log")
+    if rel.parts[0] == "stopped":  # a checkpoint: resume the interrupted run
+        cache, run_dir = work / "cache", work / "stopped"
+    elif rel.parts[0] == "killed cache é":  # the teacher's build directory: resume the killed run
+        cache, run_dir = work / "killed cache é", work / "killed run é"
+    else:
+        cache, run_dir = work / "cache", work / "rerun"
+    rc = kdrun(sc["overrides"], cache, run_dir, work / "trial.log")
     log = (work / "trial.log").read_text(errors="replace")
     same = rc == 0 and not fk.same(sc["reference"], fk.outcome(run_dir))
-    names = (rel.name, rel.parts[-2] if len(rel.parts) > 1 else rel.name)
-    said = next((line for line in log.splitlines() if line.startswith("[kdrun]")
-                 and any(w in line for w in MESSAGE_WORDS)), "")
+    names = (str(work / rel), str(entry_of(work / rel)))
+    said = next((line for line in log.splitlines() if (line.startswith("[kdrun]") or line.startswith("kdrun: error"))
+                 and any(n in line for n in names)), "")
     return classify(rc, log, same, names), said
 
 
@@ -218,13 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.fast:
             pairs = rng.sample(pairs, min(args.per_scenario, len(pairs)))
         for i, (target, how) in enumerate(pairs):
-            result, said = trial(sc, target, how, out / name / "trial")
+            result, said = trial(sc, target, how, out / name / "trial run é")
             counts[result] = counts.get(result, 0) + 1
             rel = target.relative_to(sc["base"])
             rows.append({"scenario": name, "file": str(rel), "damage": how, "outcome": result, "message": said})
             print(f"[fuzz_damage] {name} {i + 1}/{len(pairs)}: {how} {rel}: {result}"
                   + (f" ({said[:140]})" if said else ""), flush=True)
-        shutil.rmtree(out / name / "trial", ignore_errors=True)
+        shutil.rmtree(out / name / "trial run é", ignore_errors=True)
     total = sum(v for k, v in counts.items() if k != "not applicable")
     print(f"[fuzz_damage] {total} damaged files rerun in {time.perf_counter() - t0:.0f}s: "
           + ", ".join(f"{counts.get(k, 0)} {k}" for k in ("rebuilt", "refused", "silently used", "wrong",
