@@ -250,8 +250,17 @@ class FiniteWatch:
         self.bad = self.bad | now
 
     def check(self, plan: StagePlan, run_dir: Path) -> None:
-        """Raise :class:`TrainingDiverged` naming the stage, step and terms (a host read)."""
+        """Raise :class:`TrainingDiverged` naming the stage, step and terms (a host read). With several
+        processes every rank raises at the same check when any rank saw a non-finite value (the check
+        steps are the same on every rank), so none is left waiting in the next all-reduce."""
         with host_section():
+            elsewhere = self._agree()
+            if elsewhere is not None:
+                step, rank = elsewhere
+                raise TrainingDiverged(
+                    f"stage '{plan.name}': the loss became non-finite at step {step} on process {rank} (its log "
+                    f"names the terms); every process stops. The last good checkpoint is kept in "
+                    f"{checkpoint_dir(run_dir)}; lower the lr or the term's weight, or check the inputs.")
             if self.bad is None or not bool(self.bad.any()):
                 return
             bad = self.bad.tolist()
@@ -262,6 +271,25 @@ class FiniteWatch:
             f"stage '{plan.name}': loss term(s) {', '.join(terms)} became non-finite at step {step} "
             f"(values: {shown}). The last good checkpoint is kept in {checkpoint_dir(run_dir)}; lower the "
             "lr or the term's weight, or check the inputs.")
+
+
+    def _agree(self) -> tuple[int, int] | None:
+        """Several processes: (first step, lowest rank) of a non-finite value seen on another rank while
+        this one saw none; None when this rank saw one itself, when none did, or with one process."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        device = self.bad.device if self.bad is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
+        mine = self.bad is not None and bool(self.bad.any())
+        none = -float(2**62)
+        vec = torch.tensor([-float(self.first_step) if mine else none, -float(dist.get_rank()) if mine else none],
+                           dtype=torch.float64, device=device)
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX)  # max of -x: the first step and the lowest rank
+        if mine or vec[0].item() == none:
+            return None
+        return int(-vec[0].item()), int(-vec[1].item())
 
 
 @dataclass
