@@ -27,7 +27,7 @@ def _watch_worker(rank: int, port: int, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=30))
-    watch = FiniteWatch()
+    watch = FiniteWatch(world_size=2)
     for step in range(1, 6):
         bad = rank == 1 and step >= 3
         watch.add(torch.tensor(float("nan") if bad else 1.0), {"ce": torch.tensor(1.0)}, step)
@@ -85,3 +85,29 @@ def test_ddp_run_with_nan_on_rank1_only_stops_both_ranks(tmp_path: Path) -> None
     assert "nan_on_rank1 became non-finite at step 3" in out, out[-3000:]
     assert out.count("kdrun: error: stage 'finetune'") == 2, out[-3000:]
     assert not (tmp_path / "run" / "student").exists()
+
+
+def test_ddp_a_teacher_fine_tuned_by_rank1_alone_is_checkpointed(tmp_path: Path) -> None:
+    """The rank that takes the teacher's cache lock trains it alone (world_size 1 in its parts) and
+    writes its checkpoints even when it is not the run's main process; a data-parallel student's
+    checkpoints are written by the main process only."""
+    from types import SimpleNamespace
+
+    from kdrun.engine.checkpoints import TrainState, checkpoint_dir, save_checkpoint
+
+    model = torch.nn.Linear(3, 2)
+    rank1 = SimpleNamespace(is_main_process=False, unwrap_model=lambda m: m)
+    for world_size, written in ((1, True), (2, False)):
+        run_dir = tmp_path / f"w{world_size}"
+        parts = SimpleNamespace(accelerator=rank1, student=model, objective=torch.nn.Module(), tracker=None,
+                                run_dir=run_dir, config_hash="teacher", world_size=world_size, rank=0)
+        if world_size == 2:  # the RNG gather needs the other rank: stand in for it
+            import kdrun.engine.checkpoints as C
+
+            saved, C._rng_states = C._rng_states, lambda parts: [C.rng_state(), C.rng_state()]
+        try:
+            save_checkpoint(parts, TrainState(global_step=4), None, None)
+        finally:
+            if world_size == 2:
+                C._rng_states = saved
+        assert (checkpoint_dir(run_dir) / "state.json").exists() == written

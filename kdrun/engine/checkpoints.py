@@ -125,7 +125,7 @@ def save_checkpoint(parts: RunParts, state: TrainState, optimizer, scheduler, pr
     process: the RNG states of all of them are kept; the main process writes). ``meter``: the loss
     sums since the last log line, so that a resumed run logs the same means."""
     rngs = _rng_states(parts)
-    if not parts.accelerator.is_main_process:
+    if not writes(parts):
         return
     final = checkpoint_dir(parts.run_dir)
     with staging_dir(final) as tmp:
@@ -257,8 +257,15 @@ def seed_for_rank(seed: int, rank: int) -> None:
         seed_everything(seed + 1_000_003 * rank)
 
 
+def writes(parts: RunParts) -> bool:
+    """Whether this process writes the model's checkpoints: the main one of a data-parallel run, or
+    whichever process trains a model alone (a teacher fine-tuned by the rank that took the cache
+    lock, while the others wait for its entry)."""
+    return parts.world_size <= 1 or parts.accelerator.is_main_process
+
+
 def save_best(parts: RunParts, state: TrainState) -> None:
-    if not parts.accelerator.is_main_process:
+    if not writes(parts):
         return
     final = best_dir(parts.run_dir)
     with staging_dir(final) as tmp:
