@@ -233,6 +233,9 @@ class FiniteWatch:
     is never written after a non-finite step: the last one kept is the last good one."""
 
     keys: list[str] = field(default_factory=list)
+    # The processes training this model together (1: alone, also a teacher fine-tuned by one rank of
+    # a data-parallel run while the others wait: no collective then).
+    world_size: int = 1
     bad: torch.Tensor | None = None  # (1 + terms,) bool: ever non-finite since the stage began
     first_step: torch.Tensor | None = None  # step of the first non-finite loss (-1: none)
     first_values: torch.Tensor | None = None  # the loss and terms at that step
@@ -278,7 +281,7 @@ class FiniteWatch:
         this one saw none; None when this rank saw one itself, when none did, or with one process."""
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        if self.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
             return None
         device = self.bad.device if self.bad is not None else (
             torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
