@@ -238,3 +238,14 @@ def test_check_export_on_a_tiny_dynabert_run(tmp_path: Path) -> None:
     full = AutoModelForSequenceClassification.from_pretrained(run_dir / "student")
     assert sum(p.numel() for p in small.parameters()) == res["exported_params"]
     assert res["exported_params"] < sum(p.numel() for p in full.parameters())
+
+
+def test_bench_precision_fast_runs_the_quickstart_in_three_precisions(tmp_path: Path) -> None:
+    out = run_script("bench_precision", "--fast", "--seeds", "0", "--out", str(tmp_path), tmp_path=tmp_path,
+                     timeout=300)
+    lines = [line for line in out.splitlines() if line.split()[:1] and line.split()[0] in ("fp32", "bf16", "fp16")]
+    assert [line.split()[0] for line in lines] == ["fp32", "bf16", "fp16"], out
+    assert "+0.0000" in lines[0]  # fp32 against itself
+    report = json.loads((tmp_path / "bench_precision.json").read_text())
+    assert {r["precision"] for r in report["rows"]} == {"fp32", "bf16", "fp16"}
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in report["rows"])
