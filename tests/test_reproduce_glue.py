@@ -214,8 +214,7 @@ def test_glue_cpu_dry_run_prints_the_studys_commands(tmp_path: Path) -> None:
     cmds = [line[2:].split() for line in out.splitlines() if line.startswith("$ ")]
     runs = [c for c in cmds if c[:2] == ["kdrun", "-m"]]
     every = ["finetune", "logit", "pkd", "tinybert", "minilm", "ckd", "mgskd", "alp", "ckd_gradnorm"]
-    want = {"mrpc": every, "stsb": every, "sst2": ["finetune", "logit", "tinybert", "ckd"],
-            "cola": ["finetune", "logit", "tinybert", "ckd"]}
+    want = {"sst2": every, "stsb": every, "mrpc": ["finetune", "logit"], "cola": ["finetune", "logit"]}
     for task, objectives in want.items():
         mine = [c for c in runs if f"task={task}" in c]
         got = [next(a.split("=")[1] for a in c if a.startswith("objective=")) for c in mine]
@@ -239,7 +238,7 @@ def test_glue_cpu_preset_composes_for_every_study_task() -> None:
     for task in script.RECIPES["glue_cpu"].tasks:
         cfg = compose(["experiment=glue_cpu", f"task={task}"])
         assert (cfg.task.max_seq_length, cfg.task.max_train_samples, cfg.task.teacher_max_train_samples) == \
-            (128, 4000, "all")
+            (128, 2000, "all")
         assert (cfg.student.name, cfg.student.num_layers, cfg.teacher.name, cfg.train.epochs) == \
             ("truncated", 3, "minilm_l6", 3)
 
