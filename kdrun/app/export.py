@@ -357,12 +357,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-rows", type=int, default=None, help="compare on the first N dev rows only (default: all)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="dev batch size for the comparison and the throughput (default: the run's eval_batch_size)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="compute threads of PyTorch and onnxruntime (default: as a kdrun run chooses them: "
+                        "OMP_NUM_THREADS, else the cores divided by the kdrun runs alive on the host)")
     args = p.parse_args(argv)
+    from kdrun.runtime.threads import choose_threads, registered_run
+
+    before = torch.get_num_threads()
     try:
-        result = export(args.run_dir, args.format, args.out, args.max_rows, args.batch_size)
+        with registered_run():  # counted among the host's live runs while it measures
+            torch.set_num_threads(choose_threads(args.threads)[0])
+            result = export(args.run_dir, args.format, args.out, args.max_rows, args.batch_size)
     except UserError as e:
         print(f"kdrun-export: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        torch.set_num_threads(before)
     for line in report_lines(result):
         print(line)
     return 0
