@@ -95,6 +95,14 @@ def test_no_invented_numbers() -> None:
     assert numbers - recorded == set()
 
 
+def test_train_epochs_and_lr_replace_the_stages_own() -> None:
+    s = copy.deepcopy(SUMMARY)
+    s["config"]["train"] = {"epochs": 2.0, "lr": 5e-4}  # as experiment=quickstart sets them
+    text = model_card(s)
+    assert "| intermediate | ckd_wr (1) | 2 | 0.0005 | original | 125 |" in text
+    assert "5e-05" not in text
+
+
 def test_without_cost_or_teacher_the_sections_say_so() -> None:
     s = copy.deepcopy(SUMMARY)
     del s["cost"]

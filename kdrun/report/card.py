@@ -62,19 +62,29 @@ def _teacher_text(summary: Mapping[str, Any]) -> str:
     info = t.get("info") or {}
     arch = (f"{info.get('family')}, {info.get('layers')} layers, hidden size {info.get('hidden')}, "
             f"{info.get('params_m')}M parameters" if info else "")
-    start = "a random initialisation" if tc.get("kind") == "random" else f"`{_model_ref(tc)}`"
+    ref = _model_ref(tc)
+    hub = hub_id(ref, tc.get("fallback_hub_id"))
+    start = "a random initialisation" if tc.get("kind") == "random" else \
+        f"`{ref}`" + (f" (`{hub}`)" if hub and hub != ref else "")
     how = t.get("source") or (f"fine-tuned on the task from {start}"
                               + (f" ({t['train_rows']} training rows)" if t.get("train_rows") else ""))
+    if t.get("source") == "teacher.checkpoint":
+        how = f"loaded from teacher.checkpoint `{t.get('path')}`"
     return f"`{t.get('name', tc.get('name'))}` ({arch}): {how}" if arch else f"`{t.get('name')}`: {how}"
 
 
 def _stage_rows(summary: Mapping[str, Any]) -> list[str]:
-    stages = ((summary.get("config") or {}).get("objective") or {}).get("stages") or []
+    cfg = summary.get("config") or {}
+    stages = (cfg.get("objective") or {}).get("stages") or []
+    train = cfg.get("train") or {}
     steps = {s.get("stage"): s.get("steps") for s in summary.get("stages") or []}
     rows = ["| stage | loss terms (weight) | epochs | lr | data | optimizer steps |", "|---|---|---|---|---|---|"]
     for s in stages:
         terms = ", ".join(f"{t['name']} ({t.get('weight', 1.0):.3g})" for t in s.get("losses") or [])
-        rows.append(f"| {s.get('name')} | {terms} | {s.get('epochs'):g} | {s.get('lr'):g} | "
+        # train.epochs / train.lr, when set, replace every stage's own (kdrun.engine.objective.plan_stages)
+        epochs = train.get("epochs") if train.get("epochs") is not None else s.get("epochs")
+        lr = train.get("lr") if train.get("lr") is not None else s.get("lr")
+        rows.append(f"| {s.get('name')} | {terms} | {epochs:g} | {lr:g} | "
                     f"{s.get('data', 'original')} | {steps.get(s.get('name'), '—')} |")
     return rows if stages else []
 
