@@ -210,7 +210,9 @@ def test_bench_store_fast_mode(tmp_path: Path) -> None:
     assert res["off"]["entries"] == 0 and res["on"]["entries"] == 2
     assert res["on"]["teacher_rows"] == 2 * 160 < res["off"]["teacher_rows"]
     assert res["on"]["score"] == pytest.approx(res["off"]["score"], abs=0.05)
-    assert "speed-up of the sweep with the store" in buf.getvalue()
+    assert res["off"]["entry_bytes"] == 0 < res["on"]["entry_bytes"] and res["on"]["read_s_per_batch"] > 0
+    assert 0 < res["read_share"] == pytest.approx(res["on"]["read_s_per_batch"] / res["on"]["step_s"])
+    assert "speed-up of the sweep with the store" in buf.getvalue() and "of a stored run's step" in buf.getvalue()
 
 
 def test_bench_peers_fast_mode(tmp_path: Path) -> None:

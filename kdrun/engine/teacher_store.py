@@ -716,8 +716,9 @@ def open_stage_store(parts: Any, plan: Any, ds: Any, adaptive: bool, state: Any 
     decisions = getattr(state, "store_decisions", None)
     decision = (decisions or {}).get(f"{plan.index}:{plan.name}")
     if decision is not None:
-        say(f"[kdrun] teacher store for stage '{plan.name}': the checkpoint's decision "
-            f"({'store' if decision['use'] else 'live'}: {decision['why']})")
+        who = "" if acc.is_main_process else f"rank {acc.process_index}: "
+        print(f"[kdrun] {who}teacher store for stage '{plan.name}': the checkpoint's decision "
+              f"({'store ' + decision['key'] if decision['use'] else 'live'}: {decision['why']})", flush=True)
         if not decision["use"]:
             return None
         return _open_decided(st, decision["key"])

@@ -320,6 +320,8 @@ class StageLoop:
     # How a micro-batch becomes forward passes: PlainStep, or DynaBERT's sub-network loop
     # (kdrun/strategies/dynabert/train.py AdaptiveStage, for stages with adaptive.phase).
     strategy: Any = None
+    # Several processes: find the parameters the stage leaves unused on its first batch (ddp_settings).
+    probe_unused: bool = False
 
 
 def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from: Path | None) -> StageLoop:
@@ -339,7 +341,7 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
         group_by_length=tcfg.group_by_length, num_workers=resolve_num_workers(tcfg.num_workers, acc.device.type),
         pin_memory=acc.device.type == "cuda", rank=parts.rank, world_size=parts.world_size,
     )
-    wrap_for_stage(parts, plan, adaptive is not None)
+    probe = wrap_for_stage(parts, plan, adaptive is not None)
     batches_per_epoch = len(sampler.batches())
     steps_per_epoch = max(1, batches_per_epoch // tcfg.gradient_accumulation_steps)
     total_steps = max(1, math.ceil(cfg["epochs"] * steps_per_epoch))
@@ -368,7 +370,8 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
     return StageLoop(plan, loader, sampler, optimizer, scheduler, batches_per_epoch, total_steps,
                      num_epochs=math.ceil(total_steps / steps_per_epoch), pbar=pbar, log_every=max(1, parts.log_every),
                      teacher_table=table, store=store, strategy=adaptive or PlainStep(), meter=meter,
-                     share_params=[p for p in parts.student.parameters() if p.requires_grad] if measure else None)
+                     share_params=[p for p in parts.student.parameters() if p.requires_grad] if measure else None,
+                     probe_unused=probe, watch=FiniteWatch(world_size=parts.world_size))
 
 
 def leaves_parameters_unused(plan: StagePlan, adaptive: bool) -> bool:
@@ -378,23 +381,93 @@ def leaves_parameters_unused(plan: StagePlan, adaptive: bool) -> bool:
     return adaptive or not any(t.spec.reads_logits for t in plan.terms) or not plan.terms
 
 
-def wrap_for_stage(parts: RunParts, plan: StagePlan, adaptive: bool) -> None:
-    """With several processes, (re)wrap the student in DDP with ``find_unused_parameters`` only for
-    stages that need it (``train.find_unused_parameters`` forces a choice)."""
-    if parts.world_size <= 1:
-        return
+def ddp_settings(plan: StagePlan, adaptive: bool, train_cfg: Any) -> tuple[bool, bool]:
+    """(``find_unused_parameters``, ``probe``) of the stage's DDP wrapper.
+
+    ``find_unused_parameters=True`` makes DDP search the autograd graph for parameters without a
+    gradient at every step and read the used-parameter map back to the host (a sync on CUDA). A
+    stage whose loss leaves the same parameters unused at every step (an intermediate-layer stage:
+    the task head is computed but never in the loss) has a static graph: its unused parameters are
+    found once, on the stage's first batch (``probe``, :func:`ignore_unused_parameters`), DDP is
+    told to ignore them and runs without the search. DDP's own ``static_graph`` cannot be used
+    there: it counts every parameter that feeds any output of the forward (the head's logits) as
+    used. Sub-networks (DynaBERT: several different forward passes per step) keep the per-step
+    search. ``train.find_unused_parameters`` forces the search on or off (no probe)."""
+    forced = getattr(train_cfg, "find_unused_parameters", None)
+    if forced is not None:
+        return bool(forced), False
+    if not leaves_parameters_unused(plan, adaptive):
+        return False, False
+    return True, not adaptive
+
+
+def _ddp_ignored(wrapper: Any) -> set[str]:
+    return set(getattr(wrapper, "parameters_to_ignore", None) or ())
+
+
+def _ddp_wrap(parts: RunParts, find_unused: bool, ignore: list[str]) -> None:
+    """(Re)wrap the student in DDP unless the current wrapper has these settings; ``ignore``: names of
+    parameters DDP leaves alone (they get no gradient in this stage)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    forced = getattr(parts.train_cfg, "find_unused_parameters", None)
-    want = bool(forced) if forced is not None else leaves_parameters_unused(plan, adaptive)
-    if isinstance(parts.student, DDP) and parts.student.find_unused_parameters == want:
+    if isinstance(parts.student, DDP) and parts.student.find_unused_parameters == find_unused \
+            and _ddp_ignored(parts.student) == set(ignore):
         return
     module = parts.accelerator.unwrap_model(parts.student)
     if isinstance(parts.student, DDP):  # the previous stage's wrapper stops reducing gradients
         parts.student.reducer._remove_autograd_hooks()
+    module._ddp_params_and_buffers_to_ignore = list(ignore)  # what DDP reads (a later stage: none)
+    for name, p in module.named_parameters():
+        p._ddp_ignored = name in ignore
     cuda = parts.accelerator.device.type == "cuda"
     parts.student = DDP(module, device_ids=[parts.accelerator.local_process_index] if cuda else None,
-                        find_unused_parameters=want, broadcast_buffers=False)
+                        find_unused_parameters=find_unused, broadcast_buffers=False)
+
+
+def wrap_for_stage(parts: RunParts, plan: StagePlan, adaptive: bool) -> bool:
+    """With several processes, (re)wrap the student in DDP with the stage's :func:`ddp_settings`
+    (a new wrapper only when they change). True when the stage's first batch should find the
+    unused parameters (:func:`ignore_unused_parameters`)."""
+    if parts.world_size <= 1:
+        return False
+    find_unused, probe = ddp_settings(plan, adaptive, parts.train_cfg)
+    _ddp_wrap(parts, find_unused, [])
+    return probe
+
+
+def ignore_unused_parameters(parts: RunParts, loop: StageLoop, batch: dict[str, Any], state: TrainState) -> list[str]:
+    """Find the student's parameters the stage's loss does not reach (differentiating the loss of
+    ``batch`` once, random state forked so the run's dropout masks are untouched), agree on them
+    across processes (unused on every one) and rewrap the student in DDP ignoring them, without the
+    per-step search. Returns their names."""
+    from kdrun.models.features import extract_features as features_of
+
+    acc, plan = parts.accelerator, loop.plan
+    module = acc.unwrap_model(parts.student)
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    kept = parts.objective.balance_params
+    parts.objective.balance_params = None  # GradNorm must not take this batch as its S_i(0)
+    devices = [acc.device] if acc.device.type == "cuda" else []
+    try:
+        with host_section(), torch.random.fork_rng(devices=devices, device_type=acc.device.type):
+            with acc.autocast():
+                s_feats = features_of(module, batch, plan.student_needs)
+            t_feats = teacher_features(parts, loop, batch)
+            with torch.autocast(device_type=acc.device.type, enabled=False):
+                loss, _ = parts.objective(plan.index, s_feats, t_feats, batch, step=state.global_step)
+            if not loss.requires_grad:  # nothing is trained through the student: keep the search
+                return []
+            grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+            used = torch.tensor([float(g is not None) for g in grads], device=acc.device)
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(used, op=dist.ReduceOp.MAX)
+            unused = [n for (n, _), u in zip(named, used.tolist()) if not u]
+    finally:
+        parts.objective.balance_params = kept
+    _ddp_wrap(parts, False, unused)
+    return unused
 
 
 # ------------------------------------------------------------------------------------------ the step
@@ -480,6 +553,9 @@ def train_step(parts: RunParts, loop: StageLoop, batch: dict[str, Any],
     """One micro-batch: the strategy's forward passes, each with its backward; at an accumulation
     boundary also the optimizer step. Returns the (detached) loss and the values to log."""
     acc = parts.accelerator
+    if getattr(loop, "probe_unused", False):  # first batch of the stage: DDP then ignores what it leaves unused
+        loop.probe_unused = False
+        ignore_unused_parameters(parts, loop, batch, state)
     with acc.accumulate(parts.student):
         results = []
         for loss, values in loop.strategy.passes(parts, loop, batch, state):
