@@ -112,3 +112,72 @@ def test_nonfinite_loss_is_caught_at_the_next_host_step_naming_stage_step_and_te
     fine.add(torch.tensor(0.7), ok, step=1)
     fine.check(plan, tmp_path)
     assert TrainState  # imported for the stage state type only
+
+
+def test_ddp_ignores_the_parameters_a_stage_leaves_unused_instead_of_searching_every_step(
+        tmp_path: Path, run_cfg) -> None:
+    """An intermediate-layer stage (the head is computed but never in the loss) finds its unused
+    parameters once, on its first batch, and DDP ignores them without the per-step search (and its
+    read-back of the used map). Sub-networks and a forced setting keep the search. Steps through the
+    rewrapped student (a process group of one over gloo) give the unwrapped model's weights, and the
+    probe leaves the run's random stream alone."""
+    import copy
+    import os
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from kdrun.engine.checkpoints import TrainState
+    from kdrun.engine.trainer import ddp_settings, ignore_unused_parameters, setup_stage, train_step
+
+    # the teacher runs live in every run (teacher.store=auto decides from timings)
+    session, parts = session_parts(run_cfg("objective=tinybert", "teacher.store=off"), tmp_path / "run")
+    inter, pred = session.pre["plans"]
+    tcfg = parts.train_cfg
+    assert ddp_settings(inter, False, tcfg) == (True, True) and ddp_settings(pred, False, tcfg) == (False, False)
+    assert ddp_settings(inter, True, tcfg) == (True, False)  # DynaBERT's sub-networks
+    assert ddp_settings(inter, False, SimpleNamespace(find_unused_parameters=True)) == (True, False)
+
+    module = parts.accelerator.unwrap_model(parts.student)
+    init, init_objective = copy.deepcopy(module.state_dict()), copy.deepcopy(parts.objective.state_dict())
+    head = sorted(n for n, _ in module.named_parameters() if n.startswith(("bert.pooler.", "classifier.")))
+    found = {}
+
+    def three_steps(ddp: bool, probe: bool = True) -> dict[str, torch.Tensor]:
+        module.load_state_dict(init)
+        parts.objective.load_state_dict(init_objective)  # its projections train too
+        module._ddp_params_and_buffers_to_ignore = []
+        parts.student = DDP(module, find_unused_parameters=True, broadcast_buffers=False) if ddp else module
+        state = TrainState()
+        loop = setup_stage(parts, inter, state, None)
+        parts.student.train()
+        for batch in loop.loader:
+            torch.manual_seed(state.global_step)  # the same dropout masks in both runs
+            if ddp and probe and state.global_step == 0:
+                found["unused"] = sorted(ignore_unused_parameters(parts, loop, batch, state))
+                found["wrapper"] = parts.student
+            train_step(parts, loop, batch, state)
+            loop.scheduler.step()
+            state.global_step += 1
+            if state.global_step == 3:
+                break
+        loop.pbar.close()
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    plain = three_steps(False)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29700 + os.getpid() % 90))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        searching = three_steps(True, probe=False)  # the search at every step, as before
+        wrapped = three_steps(True)
+    finally:
+        dist.destroy_process_group()
+    assert found["unused"] == head, found["unused"]
+    assert found["wrapper"].find_unused_parameters is False and found["wrapper"].parameters_to_ignore == set(head)
+    moved = max(float((plain[k] - init[k]).abs().max()) for k in plain if plain[k].is_floating_point())
+    assert moved > 1e-5  # three warm-up steps
+    for k in plain:
+        torch.testing.assert_close(wrapped[k], searching[k], rtol=0, atol=0, msg=k)
+        torch.testing.assert_close(wrapped[k], plain[k], rtol=0, atol=0, msg=k)
