@@ -52,6 +52,8 @@ def test_preset_composes_with_the_authors_training_loop(task: str) -> None:
     assert cfg.task.teacher_max_train_samples == "same" and cfg.task.max_train_samples is None  # full data
     assert plan.cfg["batch_size"] == 32
     text = (REPO / "conf" / "experiment" / f"ckd_{task}.yaml").read_text()
+    assert "base/ckd_official_glue" in text  # the settings common to the presets live in one file
+    text += (REPO / "conf" / "experiment" / "base" / "ckd_official_glue.yaml").read_text()
     assert "Inferred" in text and "LTR weights 1" in text and "batch size 32" in text
 
 
