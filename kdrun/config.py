@@ -355,6 +355,9 @@ class TrainConfig:
     # ``auto`` = bf16 on a GPU that computes it natively (Ampere+), fp16 + grad scaler on older GPUs,
     # fp32 on CPU; ``fp32``, ``bf16``, ``fp16`` force one (on CPU too: kdrun/runtime/precision.py).
     precision: str = "auto"
+    # TensorFloat-32 for CUDA fp32 matmuls: ``auto`` (on for CUDA), ``true`` or ``false``; no effect on
+    # CPU. The relation losses keep full fp32 whatever it says (kdrun/runtime/precision.py).
+    tf32: Any = "auto"
     gradient_accumulation_steps: int = 1
     max_grad_norm: float = 1.0
     # Every stage's optimizer (a stage may set its own) and learning-rate schedule after the

@@ -225,6 +225,7 @@ NOT_IN_KEY_CHANGES = {
     "train.pad_to_max_length": True,
     "train.num_workers": 1,
     "train.num_threads": 1,
+    "train.tf32": False,
     "train.find_unused_parameters": True,
     "train.compile": True,
     "train.compile_backend": "eager",

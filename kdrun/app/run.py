@@ -91,7 +91,7 @@ def make_accelerator(train_cfg: Any):
     # Buffers are constant; whether DDP must tolerate parameters without gradients is decided per
     # stage (kdrun.engine.trainer.wrap_for_stage), this is only the first wrap.
     ddp = DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)
-    return make_kd_accelerator(cpu, precision, kwargs_handlers=[ddp],
+    return make_kd_accelerator(cpu, precision, tf32=getattr(train_cfg, "tf32", "auto"), kwargs_handlers=[ddp],
                                gradient_accumulation_steps=train_cfg.gradient_accumulation_steps)
 
 

@@ -134,6 +134,7 @@ TRAIN_NOT_IN_KEY = {
                        "dev scores that select the kept teacher)",
     "num_workers": "data-loading processes; the batches and their order come from the sampler",
     "num_threads": "compute threads: they change floating-point summation order only",
+    "tf32": "TensorFloat-32 for CUDA matmuls: floating-point rounding only, ignored as the device is",
     "find_unused_parameters": "DDP's search for unused parameters; the teacher fine-tunes on one process",
     "compile": "compiles the distillation's models; the teacher fine-tunes uncompiled",
     "compile_backend": "compiles the distillation's models; the teacher fine-tunes uncompiled",

@@ -37,18 +37,22 @@ Conventions (documented once, used by every loss here):
   ``reduction="official"`` divides the same sums by the official CKD code's count instead: every
   mask entry of a valid point set, diagonal / degenerate entries and window slots included
   (:func:`official_count`), the scale its per-task loss weights were tuned on.
-- The teacher side is computed under ``torch.no_grad()``; everything runs with autocast disabled.
+- The teacher side is computed under ``torch.no_grad()``; everything runs with autocast disabled
+  and, on CUDA, with TF32 off (``train.tf32`` speeds up the models' matmuls, not these: the Gram
+  identities above cancel, kdrun.runtime.precision).
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from kdrun.models.features import no_autocast
+from kdrun.runtime.precision import exact_fp32_matmul
 
 PHIS = ("l2", "cosine")
 LOSSES = ("mse", "l1", "huber", "kl")
@@ -75,9 +79,12 @@ def relation_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def full_precision(device: torch.device) -> torch.autocast:
-    """Disable autocast so relations are computed in fp32 even inside a bf16/fp16 training step."""
-    return no_autocast(device)
+@contextmanager
+def full_precision(device: torch.device) -> Iterator[None]:
+    """Disable autocast so relations are computed in fp32 even inside a bf16/fp16 training step, and
+    TF32 for CUDA matmuls (Gram identities cancel; kdrun.runtime.precision.exact_fp32_matmul)."""
+    with no_autocast(device), exact_fp32_matmul(device.type):
+        yield
 
 
 def _tol(dtype: torch.dtype) -> float:

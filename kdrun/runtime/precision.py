@@ -11,20 +11,35 @@ once per optimizer step (:meth:`Precision.unscale_`), whatever the number of sta
 Resolution of ``train.precision``: ``auto`` is bf16 where the GPU computes it natively (Ampere and
 newer; emulated bf16 on V100/T4 is not taken), fp16 with a scaler on older GPUs, fp32 on CPU.
 ``bf16`` and ``fp16`` are honoured on CPU too (slow; the CPU stand-ins of the GPU paths).
+
+Under fp16 the optimizer step is skipped when a gradient is not finite. Fused Adam/AdamW (kdrun's
+default) read the scaler's inf flag on the device; any other optimizer (SGD, or
+``train.optimizer.kwargs={fused: false}``) makes torch's ``GradScaler.step`` read it on the host
+(``found_inf.item()``): one device→host sync per optimizer step, by design of torch's scaler and
+marked as such here (:meth:`Precision.step`). bf16 and fp32 have no scaler and no such read.
+
+``train.tf32`` (:func:`resolve_tf32`): TensorFloat-32 for CUDA matmuls in fp32 (``auto``: on for
+CUDA, a no-op on CPU; it changes nothing else). Matmuls on Ampere+ tensor cores then round their
+fp32 inputs to 10 bits of mantissa. The relation kernels (Gram matrices of CKD, MGSKD) turn TF32 off
+around their own matmuls (:func:`exact_fp32_matmul`): distances and angles come from the Gram
+identity ||r_i - r_j||^2 = G_ii + G_jj - 2 G_ij, which cancels, and TF32's ~5e-4 relative error
+per input would put its noise far above the fp32 threshold those kernels treat as coincident points.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 
 from kdrun.errors import ConfigError
+from kdrun.runtime.syncs import host_section
 
 DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISION_VALUES = ("auto", "fp32", "no", "bf16", "fp16")
+TF32_VALUES = ("auto", True, False)
 
 
 def native_bf16() -> bool:
@@ -46,6 +61,36 @@ def resolve_precision(value: str, device_type: str) -> str:
             return "no"
         return "bf16" if native_bf16() else "fp16"
     return "no" if value in ("fp32", "no") else value
+
+
+def resolve_tf32(value: Any, device_type: str) -> bool:
+    """``train.tf32`` (auto / true / false) → whether CUDA matmuls in fp32 may use TF32 on
+    ``device_type``; ``auto`` is on for CUDA. Always False off CUDA (TF32 is a CUDA matmul mode)."""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        value = value.lower() == "true"
+    if not (value == "auto" or isinstance(value, bool)):
+        raise ConfigError(f"train.tf32={value!r} must be auto, true or false (TensorFloat-32 for CUDA matmuls)")
+    return device_type == "cuda" and (value is True or value == "auto")
+
+
+def apply_tf32(enabled: bool, device_type: str) -> None:
+    """Set TF32 for CUDA fp32 matmuls (process-wide); nothing is changed off CUDA."""
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = bool(enabled)
+
+
+@contextmanager
+def exact_fp32_matmul(device_type: str) -> Iterator[None]:
+    """CUDA fp32 matmuls in full fp32 inside the block (TF32 off, restored after); a no-op off CUDA
+    or where TF32 is already off. For kernels whose results cancel (Gram-matrix relations)."""
+    if device_type != "cuda" or not torch.backends.cuda.matmul.allow_tf32:
+        yield
+        return
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = True
 
 
 @dataclass
@@ -89,11 +134,15 @@ class Precision:
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer step; with a scaler it is skipped when a gradient is not finite, and the
-        scale is updated. Fused Adam/AdamW read the scaler's inf flag on the device (no host sync)."""
+        scale is updated. Fused Adam/AdamW read the scaler's inf flag on the device (no host sync);
+        another optimizer has torch's scaler read it on the host, a sync allowed here by design
+        (see the module docstring)."""
         if self.scaler is None:
             optimizer.step()
             return
-        self.scaler.step(optimizer)
+        reads_host = not getattr(optimizer, "_step_supports_amp_scaling", False)
+        with host_section() if reads_host else nullcontext():
+            self.scaler.step(optimizer)
         self.scaler.update()
 
     def scale_tensor(self, device: torch.device | str) -> torch.Tensor | None:
@@ -119,10 +168,11 @@ class Precision:
             self.scaler.load_state_dict(state)
 
 
-def make_kd_accelerator(cpu: bool, precision: str, **kwargs: Any):
+def make_kd_accelerator(cpu: bool, precision: str, tf32: Any = "auto", **kwargs: Any):
     """An Accelerate ``Accelerator`` (devices, processes, accumulation, DDP wrapping) whose
     ``autocast()`` is kdrun's :class:`Precision`; Accelerate's own mixed precision stays off so it
-    neither wraps forwards nor keeps a scaler of its own."""
+    neither wraps forwards nor keeps a scaler of its own. ``tf32``: ``train.tf32``, applied for the
+    accelerator's device (``acc.tf32``: whether CUDA matmuls use TF32)."""
     from accelerate import Accelerator
 
     class KdAccelerator(Accelerator):
@@ -131,4 +181,6 @@ def make_kd_accelerator(cpu: bool, precision: str, **kwargs: Any):
 
     acc = KdAccelerator(cpu=cpu, mixed_precision="no", **kwargs)
     acc.precision = Precision(precision, acc.device.type)
+    acc.tf32 = resolve_tf32(tf32, acc.device.type)
+    apply_tf32(acc.tf32, acc.device.type)
     return acc

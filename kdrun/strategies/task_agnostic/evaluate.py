@@ -11,7 +11,8 @@ import torch
 def heldout_losses(parts: Any, model: Any, stage: int | None = None) -> dict[str, dict[str, float]]:
     """{split: {"distill_loss": weighted total, <term>: unweighted value}}, each the mean over the
     split's segments of the objective's loss for stage ``stage`` (default: the last stage), with the
-    same masks as in training. Lower is better; the trainer negates ``distill_loss`` to select."""
+    same masks as in training and, as in training, the objective computed in fp32 outside autocast
+    (the kept model is selected on it). Lower is better; the trainer negates ``distill_loss`` to select."""
     from kdrun.engine.trainer import to_device
     from kdrun.models.features import extract_features
     from kdrun.tasks.data.pipeline import make_loader
@@ -28,9 +29,10 @@ def heldout_losses(parts: Any, model: Any, stage: int | None = None) -> dict[str
         sums = torch.zeros(len(plan.terms) + 2, dtype=torch.float64)  # terms..., total, segments
         for batch in loader:
             batch = to_device(batch, acc.device)
-            with acc.autocast():
-                s = extract_features(model, batch, plan.student_needs)
+            with acc.autocast():  # the models in the training precision, the objective in fp32 outside
+                s = extract_features(model, batch, plan.student_needs)  # autocast: as in training
                 t = extract_features(parts.teacher, batch, plan.teacher_needs) if plan.uses_teacher else None
+            with torch.autocast(device_type=acc.device.type, enabled=False):
                 loss, values = objective(plan.index, s, t, batch)
             n = float(batch["input_ids"].shape[0])
             sums += torch.tensor([*(float(values[term.key]) * n for term in plan.terms), float(loss) * n, n],
