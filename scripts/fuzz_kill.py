@@ -200,6 +200,12 @@ RESUMED = {"student": re.compile(r"resuming at stage \d+ step (\d+) from"),
            "teacher": re.compile(r"resuming the teacher's fine-tuning at step (\d+) from")}
 
 
+def resumed_at(restart_log: str) -> dict[str, int | None]:
+    """The step the restart resumed the student and the teacher from (None: it did not resume)."""
+    found = {who: [int(m) for m in pattern.findall(restart_log)] for who, pattern in RESUMED.items()}
+    return {who: min(steps) if steps else None for who, steps in found.items()}
+
+
 def resume_problems(saved: dict[str, int | None], restart_log: str) -> list[str]:
     """What is wrong with how the restart resumed from the checkpoints ``saved`` on disk: each must
     be resumed from (at its step or a later one), never trained again from the start."""
@@ -270,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[fuzz_kill] reference {total:.1f}s; phases began at " +
           ", ".join(f"{k} {v:.1f}s" for k, v in sorted(marks.items(), key=lambda kv: kv[1])), flush=True)
     rng = random.Random(args.seed)
-    passed, counted, late, landed, failures = 0, 0, 0, {}, []
+    passed, counted, late, landed, failures, trials = 0, 0, 0, {}, [], []
     for i in range(2 * args.runs):
         if counted == args.runs:
             break
@@ -294,7 +300,10 @@ def main(argv: list[str] | None = None) -> int:
             rc = start(command(args, work), log).wait()
         counted += 1
         landed[where] = landed.get(where, 0) + 1
-        problems = judge(reference, work, rc, saved, restart_log.read_text(errors="replace"))
+        text = restart_log.read_text(errors="replace")
+        problems = judge(reference, work, rc, saved, text)
+        trials.append({"run": i, "signal_s": round(delay, 2), "phase": where, "on_disk": saved,
+                       "resumed_at": resumed_at(text), "passed": not problems})
         passed += not problems
         if problems:
             failures.append({"run": i, "phase": where, "problems": problems})
@@ -308,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
           f"reference {total:.1f}s)")
     (out / "fuzz_kill.json").write_text(json.dumps({
         "runs": args.runs, "counted": counted, "passed": passed, "identical": passed, "after_outputs": late,
-        "signal": args.signal, "ddp": args.ddp, "landed": landed, "failures": failures, "reference_s": total}))
+        "signal": args.signal, "ddp": args.ddp, "landed": landed, "failures": failures, "trials": trials,
+        "reference_s": total}, indent=1))
     return 0 if passed == counted == args.runs else 1
 
 

@@ -50,6 +50,7 @@ def test_fuzz_kill_judges_the_restart() -> None:
     assert fk.resume_problems({"student": None, "teacher": 3},
                               "[kdrun] resuming the teacher's fine-tuning at step 3 from /c\n") == []
     assert fk.judge({}, Path("/nonexistent"), 1, saved, ok) == ["the restart exited 1"]
+    assert fk.resumed_at(ok) == {"student": 6, "teacher": None}
 
 
 def test_fuzz_kill_reads_a_checkpoint_left_by_a_cut_swap(tmp_path: Path) -> None:
