@@ -161,11 +161,19 @@ def selects_teacher(overrides: list[str]) -> bool:
         key, _, value = o.lstrip("+~").partition("=")
         if key in TEACHER_KEYS:
             return True
-        if key == "experiment":
-            yaml = importlib.resources.files(CONFIG_MODULE) / "experiment" / f"{value}.yaml"
-            if yaml.is_file() and re.search(r"override\s+/teacher\s*:", yaml.read_text()):
-                return True
+        if key == "experiment" and experiment_selects_teacher(value):
+            return True
     return False
+
+
+def experiment_selects_teacher(name: str) -> bool:
+    """Whether conf/experiment/<name>.yaml, or an experiment file its defaults include, picks a teacher."""
+    yaml = importlib.resources.files(CONFIG_MODULE) / "experiment" / f"{name}.yaml"
+    if not yaml.is_file():
+        return False
+    text = yaml.read_text()
+    included = re.findall(r"^\s*-\s+([\w/]+)\s*$", text, re.M)  # same-group entries (no 'override', no ':')
+    return bool(re.search(r"override\s+/teacher\s*:", text)) or any(experiment_selects_teacher(i) for i in included)
 
 
 def materialized_config_dir(cmd: Command, config_dir: str, tmp_path: Path) -> Path | None:
