@@ -181,3 +181,53 @@ def test_ddp_ignores_the_parameters_a_stage_leaves_unused_instead_of_searching_e
     for k in plain:
         torch.testing.assert_close(wrapped[k], searching[k], rtol=0, atol=0, msg=k)
         torch.testing.assert_close(wrapped[k], plain[k], rtol=0, atol=0, msg=k)
+
+
+def _counts_worker(rank: int, port: int, out: str) -> None:
+    import json
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from kdrun.engine.trainer import _global_counts
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        parts = SimpleNamespace(world_size=2, accelerator=SimpleNamespace(device=torch.device("cpu")))
+        got = _global_counts(parts, examples=8 + rank, tokens=100 * (rank + 1))  # rank 1 saw more
+        Path(out, f"rank{rank}.json").write_text(json.dumps(got))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_logged_throughput_counts_every_process(tmp_path: Path) -> None:
+    """Two gloo processes: the examples and tokens behind train/examples_per_s and tokens_per_s are the
+    sum over the processes (each rank logs the run's throughput, not its own share)."""
+    import json
+    import os
+
+    import torch.multiprocessing as mp
+
+    from kdrun.engine.trainer import _global_counts
+
+    mp.spawn(_counts_worker, args=(29500 + os.getpid() % 400, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [17, 300]
+    from types import SimpleNamespace
+
+    assert _global_counts(SimpleNamespace(world_size=1), 5, 60) == (5, 60)  # one process: no collective
+
+
+def test_ddp_num_workers_auto_shares_the_node_cores_among_its_processes(monkeypatch) -> None:
+    import kdrun.tasks.data.pipeline as P
+
+    monkeypatch.setattr(P, "_available_cpus", lambda: 16)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert P.resolve_num_workers("auto", "cuda") == 4  # alone: min(4, 16 / 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert P.resolve_num_workers("auto", "cuda") == 2  # 4 cores each: half of them
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert P.resolve_num_workers("auto", "cuda") == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert P.resolve_num_workers("auto", "cuda") == 0  # one core each: collate in the training process
+    assert P.resolve_num_workers("auto", "cpu") == 0 and P.resolve_num_workers(3, "cuda") == 3

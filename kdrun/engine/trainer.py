@@ -568,14 +568,29 @@ def train_step(parts: RunParts, loop: StageLoop, batch: dict[str, Any],
 
 # ------------------------------------------------------------------------------------- bookkeeping
 
+def _global_counts(parts: RunParts, examples: int, tokens: int) -> tuple[int, int]:
+    """Examples and tokens since the last log line summed over the processes (one all-reduce at a
+    logging step, which every process reaches at the same step): the logged throughput is the run's,
+    not rank 0's share of it."""
+    if parts.world_size <= 1:
+        return examples, tokens
+    import torch.distributed as dist
+
+    counts = torch.tensor([float(examples), float(tokens)], dtype=torch.float64, device=parts.accelerator.device)
+    dist.all_reduce(counts)
+    total = counts.tolist()
+    return int(total[0]), int(total[1])
+
+
 def _log(parts: RunParts, loop: StageLoop, state: TrainState) -> None:
     """Log the mean losses, lr, throughput and gradient shares since the last log line; start over.
     The one place the step's device-side meters are read."""
     m = loop.meter
     dt = max(time.perf_counter() - m.since, 1e-9)
     logs = {f"train/{k}": float(v) / m.batches for k, v in m.sums.items()}
-    logs.update({"train/lr": loop.scheduler.get_last_lr()[0], "train/examples_per_s": m.examples / dt,
-                 "train/tokens_per_s": m.tokens / dt, "stage": loop.plan.name,
+    examples, tokens = _global_counts(parts, m.examples, m.tokens)
+    logs.update({"train/lr": loop.scheduler.get_last_lr()[0], "train/examples_per_s": examples / dt,
+                 "train/tokens_per_s": tokens / dt, "stage": loop.plan.name,
                  "epoch": state.epoch + state.batch_in_epoch / loop.batches_per_epoch})
     if parts.accelerator.precision.scaler is not None:
         logs["train/loss_scale"] = parts.accelerator.precision.loss_scale()

@@ -314,19 +314,27 @@ def resolve_num_workers(value: Any, device_type: Any) -> int:
     """Data-loading processes for ``train.num_workers`` (an integer >= 0 or ``auto``) on a device.
 
     ``auto``: none on CPU devices (workers would compete with the compute threads for the cores);
-    on CUDA min(4, half the cores available to this process), so batches are collated while the GPU
-    computes. ``device_type``: ``"cuda"``, ``"cpu"``, ... or a torch.device. A bad value is a
-    ConfigError naming ``train.num_workers``.
+    on CUDA min(4, half of this process's share of the cores), so batches are collated while the GPU
+    computes. The share is the cores available to the process divided by the training processes on
+    the node (``LOCAL_WORLD_SIZE``, set by torchrun and ``accelerate launch``), which all see the same
+    cores: 8 processes on a 16-core node take 1 worker each, not 4. ``device_type``: ``"cuda"``,
+    ``"cpu"``, ... or a torch.device. A bad value is a ConfigError naming ``train.num_workers``.
     """
     from kdrun.errors import ConfigError
 
     kind = getattr(device_type, "type", device_type)
     if isinstance(value, str) and value == "auto":
-        return min(4, _available_cpus() // 2) if kind == "cuda" else 0
+        return min(4, _available_cpus() // _processes_on_node() // 2) if kind == "cuda" else 0
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ConfigError(f"train.num_workers={value!r} must be auto or an integer >= 0 (data-loading "
                           "processes; 0 loads batches in the training process)")
     return int(value)
+
+
+def _processes_on_node() -> int:
+    """Training processes sharing this node's cores (``LOCAL_WORLD_SIZE``; 1 when unset or unreadable)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return max(1, int(value)) if value.isdigit() else 1
 
 
 def _available_cpus() -> int:
