@@ -16,7 +16,8 @@ when it printed its outputs). Each of N runs, in its own cache and run directory
 at a moment drawn uniformly from [t0, T) (seeded: ``--seed``); with ``--ddp`` SIGKILL goes to one
 worker process (rank 1) alone, and torchrun stops the other. A signal that lands after the run
 printed its outputs (or after it exited) tests nothing: it is reported apart and drawn again
-(at most N extra draws). After the signal (and ``--repeat`` more signalled restarts), the script
+(at most N extra draws), and T becomes that moment (the machine may be less busy than it was
+for the timed run). After the signal (and ``--repeat`` more signalled restarts), the script
 reads the checkpoint the run left on disk (``checkpoints/last``, or ``last.old`` from a swap cut
 between its renames; the teacher's in its cache entry's ``.partial`` directory) and restarts the
 run once. A run passes when:
@@ -287,8 +288,11 @@ def main(argv: list[str] | None = None) -> int:
         where = phase((out / f"run{i:03d}.signalled.log").read_text(errors="replace")) if hit else "finished first"
         if where in ("outputs written", "finished first"):
             late += 1
+            # this run was faster than the timed one (a machine shared with other work): later
+            # draws stay below the moment it had already written its outputs by
+            total = max(t_first + 0.5, delay)
             print(f"[fuzz_kill] draw {i}: SIG{args.signal} at {delay:.1f}s landed after the outputs ({where}): "
-                  "not counted, drawn again", flush=True)
+                  f"not counted, drawn again (now before {total:.1f}s)", flush=True)
             continue
         restart_log = out / f"run{i:03d}.restarts.log"
         with open(restart_log, "w") as log:
