@@ -230,3 +230,19 @@ def test_bench_peers_fast_mode(tmp_path: Path) -> None:
     assert rows["kdrun"]["tokens_per_s"] > 0 and rows["kdrun"]["peak_rss_mb"] > 100
     assert rows["kdrun"]["dev_accuracy"] == pytest.approx(rows["kdrun-nostore"]["dev_accuracy"], abs=0.05)
     assert "tokens/s" in buf.getvalue()
+
+
+def test_logit_table_looks_rows_up_by_idx_not_position() -> None:
+    """The live teacher's logit table of a logits-only stage: a subsample keeps its rows' original
+    ``idx`` (not positions); each batch row gets its own row's logits (a dictionary as the naive twin)."""
+    import torch
+
+    from kdrun.engine.trainer import LogitTable
+
+    ids = torch.tensor([238, 5, 17, 900, 42])
+    logits = torch.randn(5, 3)
+    table = LogitTable(logits, ids)
+    naive = {int(i): logits[k] for k, i in enumerate(ids)}
+    batch_idx = torch.tensor([900, 5, 238, 42])
+    got = table[batch_idx]
+    assert torch.equal(got, torch.stack([naive[int(i)] for i in batch_idx]))

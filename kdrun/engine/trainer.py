@@ -195,12 +195,25 @@ def make_scheduler(plan: StagePlan, train_cfg: Any, optimizer: torch.optim.Optim
 
 
 @torch.inference_mode()
-def _teacher_logit_table(parts: RunParts, plan: StagePlan) -> torch.Tensor:
-    """Teacher logits for every training row, indexed by ``idx`` (the data are fixed across epochs)."""
+class LogitTable:
+    """Teacher logits for every training row, looked up by the rows' ``idx`` on the device (a row's
+    ``idx`` need not be its position: a corpus subsample keeps the original ones)."""
+
+    def __init__(self, logits: torch.Tensor, ids: torch.Tensor) -> None:
+        self.sorted_ids, order = torch.sort(ids.to(logits.device))
+        self.logits = logits[order]
+
+    def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.logits[torch.searchsorted(self.sorted_ids, idx.to(self.sorted_ids.device))]
+
+
+def _teacher_logit_table(parts: RunParts, plan: StagePlan) -> LogitTable:
+    """Teacher logits for every training row (the data are fixed across epochs)."""
     parts.teacher.eval()
     logits, _ = predict(parts.teacher, parts.train_data, parts.collator, parts.train_cfg.eval_batch_size,
                         parts.accelerator, desc="teacher logits", world_size=parts.world_size)
-    return torch.from_numpy(logits).to(parts.accelerator.device)
+    ids = torch.as_tensor(np.asarray(parts.train_data["idx"]), dtype=torch.long)
+    return LogitTable(torch.from_numpy(logits).to(parts.accelerator.device), ids)
 
 
 # ------------------------------------------------------------------------------------ stage setup
@@ -310,7 +323,7 @@ class StageLoop:
     pbar: Any
     log_every: int = 10
     # The teacher's logits for every training row (teacher_logits_only stages, when cached).
-    teacher_table: torch.Tensor | None = None
+    teacher_table: LogitTable | None = None
     # The stage's teacher-output store: batches then carry the teacher's outputs (teacher/*).
     store: Any = None
     # logger.grad_shares: the parameters per-term gradients are measured on (last micro-batch of a logged step).
