@@ -56,6 +56,7 @@ TOY = ["task=toy", "task.toy.num_train=96", "task.toy.num_validation=32", "teach
 DAMAGES = ("truncate", "flip", "delete")
 GOOD = ("rebuilt", "refused")
 MESSAGE_WORDS = ("damaged", "no manifest", "rebuilding", "moved to")
+TRIAL = "trial run é"  # where each trial reruns: a directory name with a space and a non-ASCII letter
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -219,7 +220,14 @@ def prepare(name: str, out: Path) -> dict:
     sc = {"name": name, "overrides": overrides, "kinds": kinds, "base": base,
           "reference": fk.outcome(base / "run")}
     if name == "task":  # stop after 4 steps: checkpoints/last holds step 3, checkpoints/best step 4
-        kdrun([*overrides, "train.stop_after_steps=4"], base / "cache", base / "stopped", base / "stopped.log")
+        # made where the trials resume it: cache_dir is part of the run's configuration hash, so a
+        # checkpoint moved to another cache path would be refused whatever the damage
+        work = out / name / TRIAL
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(base / "cache", work / "cache")
+        kdrun([*overrides, "train.stop_after_steps=4"], work / "cache", work / "stopped", base / "stopped.log")
+        shutil.move(work / "stopped", base / "stopped")
+        shutil.rmtree(work)
         for d in ("last", "best"):
             if not (base / "stopped" / "checkpoints" / d).exists():
                 raise SystemExit(f"the interrupted {name} run left no checkpoints/{d}: see {base / 'stopped.log'}")
@@ -273,13 +281,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.fast:
             pairs = rng.sample(pairs, min(args.per_scenario, len(pairs)))
         for i, (target, how) in enumerate(pairs):
-            result, said = trial(sc, target, how, out / name / "trial run é")
+            result, said = trial(sc, target, how, out / name / TRIAL)
             counts[result] = counts.get(result, 0) + 1
             rel = target.relative_to(sc["base"])
             rows.append({"scenario": name, "file": str(rel), "damage": how, "outcome": result, "message": said})
             print(f"[fuzz_damage] {name} {i + 1}/{len(pairs)}: {how} {rel}: {result}"
                   + (f" ({said[:140]})" if said else ""), flush=True)
-        shutil.rmtree(out / name / "trial run é", ignore_errors=True)
+        shutil.rmtree(out / name / TRIAL, ignore_errors=True)
     total = sum(v for k, v in counts.items() if k != "not applicable")
     print(f"[fuzz_damage] {total} damaged files rerun in {time.perf_counter() - t0:.0f}s: "
           + ", ".join(f"{counts.get(k, 0)} {k}" for k in ("rebuilt", "refused", "silently used", "wrong",
