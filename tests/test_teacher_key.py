@@ -256,6 +256,9 @@ NOT_IN_KEY_CHANGES = {
     "resume": False,
     "output_dir": "/out",
     "run_name": "other",
+    "report.cost": False,
+    "cache_max_gb": 5.0,
+    "cache_wait_timeout_s": 60.0,
     "sweep.extra": 1,
     "launcher.extra": 1,
 }

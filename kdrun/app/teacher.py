@@ -155,6 +155,7 @@ RUN_NOT_IN_KEY = {
     "report": "what the run measures after training (kdrun.report.cost)",
     "sweep": "launching only", "launcher": "launching only",
     "cache_dir": "where the cache is", "resume": "the student's checkpoints",
+    "cache_max_gb": "evicts cache entries after the run", "cache_wait_timeout_s": "how long other ranks wait for it",
     "output_dir": "where the run writes", "run_name": "a label",
 }
 # The sections of the run's config classified key by key above.
