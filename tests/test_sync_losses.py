@@ -224,6 +224,9 @@ def _skip() -> LayerMap:
 CASES = [
     *(Case(n, logits=k) for n in ("ce", "logit_kd", "soft_ce") for k in ("cls", "reg", "qa")),
     Case("logit_kd", {"temperature": 2.0}),
+    *(Case("tinybert_soft_ce", {"temperature": 2.0}, logits=k) for k in ("cls", "reg")),
+    Case("tinybert_hidden", {"projection": "shared", "reduction": "all"}),
+    Case("tinybert_embedding", {"projection": "shared", "reduction": "all"}),
     Case("mgskd_prediction", {"temperature": 2.0}), Case("mgskd_prediction", logits="reg"),
     Case("mgskd_prediction", {"regression": "kd"}, logits="reg"),
     Case("mlm_kd", {"temperature": 2.0}),
