@@ -169,3 +169,27 @@ def test_row_lengths_and_ids_come_from_arrow_with_selections() -> None:
     ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4], [5, 6]], "idx": [5, 9, 2]}).select([2, 0])
     assert row_lengths(ds).tolist() == [2, 3] and row_ids(ds).tolist() == [2, 5]
     assert os.environ.get("HF_DATASETS_OFFLINE") == "1"
+
+
+def test_a_store_file_written_after_publishing_is_found_without_reading_the_others(tmp_path: Path) -> None:
+    """Opens check sizes, not checksums; a file whose modification time moved since publishing (a byte
+    flipped in place) is checksummed, and the entry is refused naming it."""
+    import os
+
+    from kdrun.runtime.cache import entry_problem, write_manifest
+
+    entry = tmp_path / "entry"
+    entry.mkdir()
+    (entry / "a.npy").write_bytes(b"\0" * 64)
+    (entry / "b.npy").write_bytes(b"\1" * 64)
+    write_manifest(entry)
+    assert entry_problem(entry, checksums=False) is None
+    st = (entry / "b.npy").stat()
+    os.utime(entry / "b.npy", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched, same bytes: fine
+    assert entry_problem(entry, checksums=False) is None
+    with open(entry / "a.npy", "r+b") as f:
+        f.seek(7)
+        f.write(b"\x80")
+    os.utime(entry / "a.npy", ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
+    want = "a.npy does not match its checksum (written to after it was published)"
+    assert entry_problem(entry, checksums=False) == want

@@ -191,15 +191,18 @@ def file_sha256(path: Path) -> str:
 
 
 def write_manifest(entry: Path) -> None:
-    """Record the size and checksum of every file of ``entry``; the entry counts as complete after."""
-    files = {str(p.relative_to(entry)): {"size": p.stat().st_size, "sha256": file_sha256(p)}
+    """Record the size, checksum and modification time of every file of ``entry``; the entry counts
+    as complete after."""
+    files = {str(p.relative_to(entry)): {"size": p.stat().st_size, "sha256": file_sha256(p),
+                                         "mtime_ns": p.stat().st_mtime_ns}
              for p in sorted(entry.rglob("*")) if p.is_file() and p.name != COMPLETE_MARKER}
     write_json_atomic(entry / COMPLETE_MARKER, {"version": 1, "files": files})
 
 
 def entry_problem(entry: Path, checksums: bool = True) -> str | None:
     """Why a complete entry cannot be used (a file missing, of the wrong size or, with
-    ``checksums``, checksum), or None.
+    ``checksums``, checksum; without, the checksum of a file whose modification time is no longer
+    the one recorded at publishing), or None.
 
     Entries of older kdrun versions carry no manifest (marker text ``ok``) and pass unchecked.
     """
@@ -221,8 +224,11 @@ def entry_problem(entry: Path, checksums: bool = True) -> str | None:
             return f"{rel} is missing"
         if p.stat().st_size != want["size"]:
             return f"{rel} has {p.stat().st_size} bytes, the manifest says {want['size']}"
-    if not checksums:
-        return None
+    if not checksums:  # a file written to since it was published (its mtime moved) is still checksummed
+        changed = [rel for rel, want in files.items()
+                   if "mtime_ns" in want and (entry / rel).stat().st_mtime_ns != want["mtime_ns"]]
+        return next((f"{rel} does not match its checksum (written to after it was published)"
+                     for rel in changed if file_sha256(entry / rel) != files[rel]["sha256"]), None)
     for rel, want in files.items():  # sizes first: a truncated file is found without reading anything
         if file_sha256(entry / rel) != want["sha256"]:
             return f"{rel} does not match its checksum"
