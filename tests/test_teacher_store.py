@@ -246,3 +246,26 @@ def test_logit_table_looks_rows_up_by_idx_not_position() -> None:
     batch_idx = torch.tensor([900, 5, 238, 42])
     got = table[batch_idx]
     assert torch.equal(got, torch.stack([naive[int(i)] for i in batch_idx]))
+
+
+def test_auto_is_decided_once_per_entry_so_reruns_agree(run_cfg, tmp_path: Path, capsys) -> None:
+    """``teacher.store=auto`` measures when an entry is first used and keeps the verdict beside it:
+    a second run of the same stage takes the same decision (not a new, noisy timing), and a verdict
+    written there is what it follows."""
+    import json
+
+    from kdrun.app.run import run
+
+    cfg = ["objective=logit", "teacher.store=auto", "train.epochs=1"]
+    run(run_cfg(*cfg), tmp_path / "a")
+    (verdict,) = list((Path(run_cfg().cache_dir) / "teacher_outputs").glob("*/auto_decision.json"))
+    first = json.loads(verdict.read_text())
+    capsys.readouterr()
+    run(run_cfg(*cfg, "seed=5"), tmp_path / "b")
+    assert "measured when the entry was first used" in capsys.readouterr().out
+    flipped = {**first, "use": not first["use"], "why": "teacher.store=auto: a recorded verdict"}
+    verdict.write_text(json.dumps(flipped))
+    out = run(run_cfg(*cfg, "seed=6"), tmp_path / "c")
+    text = capsys.readouterr().out
+    assert "a recorded verdict" in text
+    assert (out["teacher_forward"]["rows"] == 0) == flipped["use"]  # live teacher rows only when not stored

@@ -93,3 +93,14 @@ def test_runs_end_to_end(tmp_path) -> None:
     assert [s["stage"] for s in res["stages"]] == ["intermediate", "prediction"]
     assert all(s["steps"] == 2 for s in res["stages"])  # 64 rows at batch 32, one epoch each
     assert 0.0 <= res["student"]["metrics"]["validation"]["accuracy"] <= 1.0
+
+
+def test_store_keeps_tinybert_official_stages_live_and_tinybert_stored() -> None:
+    """The store keeps real tokens only: a stage whose terms read the teacher at padded positions
+    (the official reductions) runs the teacher live; kdrun's tinybert (real tokens only) can be stored."""
+    from kdrun.engine.objective import plan_stages
+
+    official = plan_stages(compose(["objective=tinybert_official"]).objective)
+    ours = plan_stages(compose(["objective=tinybert"]).objective)
+    assert official[0].teacher_reads_padding and not ours[0].teacher_reads_padding
+    assert not official[1].teacher_reads_padding  # the prediction stage reads logits only

@@ -60,6 +60,11 @@ class StagePlan:
         return any(t.spec.uses_labels for t in self.terms)
 
     @property
+    def teacher_reads_padding(self) -> bool:
+        """Whether a term reads the teacher's outputs at padded positions (declared ``reads_padding``)."""
+        return any(t.spec.reads_padding is not None and t.spec.reads_padding(t.params) for t in self.terms)
+
+    @property
     def teacher_logits_only(self) -> bool:
         return self.uses_teacher and self.teacher_needs <= {"logits"}
 

@@ -631,6 +631,32 @@ def _decide(st: _Stage) -> dict[str, Any]:
     where = "the cache" if cached else "the entry just built"
     if settings.mode != "auto":
         return {"use": True, "key": key, "why": f"teacher.store=on; from {where}"}
+    verdict = _auto_verdict(entry)
+    if verdict is not None:  # measured by the entry's first auto run: every later run decides the same
+        return {"key": key, **verdict, "why": f"{verdict['why']} (measured when the entry was first used; "
+                f"its {AUTO_VERDICT} holds the figures)"}
+    out = _measure_auto(st, entry, key, cached, where)
+    try:  # a read-only shared cache keeps no verdict: each run measures again
+        write_json_atomic(entry / AUTO_VERDICT, {k: v for k, v in out.items() if k != "key"})
+    except OSError:
+        pass
+    return out
+
+
+AUTO_VERDICT = "auto_decision.json"  # beside the entry's files, outside its manifest
+
+
+def _auto_verdict(entry: Path) -> dict[str, Any] | None:
+    try:
+        verdict = json.loads((entry / AUTO_VERDICT).read_text())
+        return verdict if isinstance(verdict.get("use"), bool) and isinstance(verdict.get("why"), str) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _measure_auto(st: _Stage, entry: Path, key: str, cached: bool, where: str) -> dict[str, Any]:
+    """``teacher.store=auto``'s measurement: the reader's full path against the teacher's forward."""
+    plan, ds, acc = st.plan, st.ds, st.parts.accelerator
     reader = StoreReader(entry)
     batches = sample_rows(reader, int(plan.cfg["batch_size"]))
     read = read_seconds_per_row(reader, batches, acc.device)
@@ -709,6 +735,8 @@ def open_stage_store(parts: Any, plan: Any, ds: Any, adaptive: bool, state: Any 
     teacher = getattr(teacher, "_orig_mod", teacher)
     say = print if acc.is_main_process else (lambda *a, **k: None)
     reason = why_not_storable(plan.teacher_needs, teacher, adaptive)
+    if reason is None and plan.teacher_reads_padding:  # the store keeps real tokens only
+        reason = "a term reads the teacher's outputs at padded positions (TinyBERT's official reductions)"
     if reason:
         say(f"[kdrun] teacher store not used for stage '{plan.name}': {reason}")
         return None

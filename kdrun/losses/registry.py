@@ -171,6 +171,7 @@ class LossSpec:
     # Whether the term reads the models' task outputs (it declared ``logits``, the default): a
     # corpus task (general distillation) has none.
     reads_logits: bool = True
+    reads_padding: Callable[[Params], bool] | None = None
 
     @property
     def reads_task_outputs(self) -> bool:
@@ -235,13 +236,16 @@ def register_loss(
     module: Callable[..., nn.Module | None] | None = None,
     share: Callable[[Params], str | None] | None = None,
     check: Callable[..., None] | None = None,
+    reads_padding: Callable[[Params], bool] | None = None,
 ):
     """Declare a loss term (see the module doc).
 
     ``module(student_info, teacher_info, pairs, p)`` and ``check(student_info, teacher_info, pairs,
     p)`` receive the models' sizes as dicts with ``layers``, ``hidden``, ``heads``, the term's layer
     map (kdrun.models.mapping.MappedPairs) and its typed parameters; ``check`` raises ValueError saying what
-    to change.
+    to change. ``reads_padding(p)``: whether, with these parameters, the term reads the teacher's
+    outputs at padded positions (the teacher-output store keeps real tokens only, so such a stage
+    runs the teacher live).
     """
     reads_logits = "logits" in frozenset(needs) | frozenset(teacher_needs or ())
     needs = frozenset(needs) | {"logits"}
@@ -261,7 +265,7 @@ def register_loss(
             name=name, impl=fn, params=params, needs=needs, teacher_needs=t_needs if uses_teacher else frozenset(),
             uses_teacher=uses_teacher, uses_labels=uses_labels, map_kinds=frozenset(map_kinds), module=module,
             share=share, model_check=check, doc=((fn.__doc__ or "").strip().split("\n") or [""])[0],
-            reads_logits=reads_logits,
+            reads_logits=reads_logits, reads_padding=reads_padding,
         )
         return fn
 

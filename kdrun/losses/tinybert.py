@@ -89,7 +89,8 @@ def _check_embedding(student_info, teacher_info, pairs, p: TinyProjection) -> No
 
 
 @register_loss("tinybert_embedding", params=TinyProjection, needs={"hidden_states"}, map_kinds=(),
-               check=_check_embedding, module=_projection, share=_share_projection)
+               check=_check_embedding, module=_projection, share=_share_projection,
+               reads_padding=lambda p: p.reduction == "all")
 def tinybert_embedding(s: Features, t: Features, batch, ctx: LossContext, p: TinyProjection) -> torch.Tensor:
     """TinyBERT embedding loss: MSE(E_s W, E_t) over real tokens."""
     es = fp32(s.require("hidden_states")[0])
@@ -106,7 +107,8 @@ def _mse(xs: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, reduction: 
 
 
 @register_loss("tinybert_hidden", params=TinyProjection, needs={"hidden_states"}, map_kinds=LAYER_MAP_KINDS,
-               check=projection_check("tinybert_hidden"), module=_projection, share=_share_projection)
+               check=projection_check("tinybert_hidden"), module=_projection, share=_share_projection,
+               reads_padding=lambda p: p.reduction == "all")
 def tinybert_hidden(s: Features, t: Features, batch, ctx: LossContext, p: TinyProjection) -> torch.Tensor:
     """TinyBERT hidden loss: Σ_j MSE(H_s^j W, mapped teacher hidden states) over real tokens."""
     total = s.attention_mask.new_zeros((), dtype=torch.float32)
@@ -144,7 +146,8 @@ def attention_mse(ss: torch.Tensor, st: torch.Tensor, mask: torch.Tensor, paddin
 
 
 @register_loss("tinybert_attention", params=AttentionParams, needs={"attention_scores"},
-               map_kinds={ONE_TO_ONE, WEIGHTED}, check=_check_attention)
+               map_kinds={ONE_TO_ONE, WEIGHTED}, check=_check_attention,
+               reads_padding=lambda p: p.padding == "tinybert")  # padded query rows count
 def tinybert_attention(s: Features, t: Features, batch, ctx: LossContext, p: AttentionParams) -> torch.Tensor:
     """TinyBERT attention loss per head: MSE of pre-softmax scores, or KL of distributions (Jassani et al.)."""
     lmap = layer_map_of(ctx)
