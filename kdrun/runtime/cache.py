@@ -273,7 +273,7 @@ def remove_stale_staging(kind_dir: Path, held_key: str) -> list[Path]:
     return removed
 
 
-def _lock_is_free(lock: Path) -> bool:
+def lock_is_free(lock: Path) -> bool:
     """Whether no process holds ``lock`` (a ``FileLock`` file; a missing file is free)."""
     if not lock.exists():
         return True
@@ -304,7 +304,7 @@ def wait_for_file(path: Path, lock: Path, root: str | os.PathLike, what: str, ti
         if signum is not None:
             print(f"[kdrun] stopped by signal {signum} while waiting for {what}", flush=True)
             raise SystemExit(128 + int(signum))
-        free = _lock_is_free(lock)
+        free = lock_is_free(lock)
         if not free:
             seen_held = True
         elif not path.exists() and (seen_held or time.monotonic() - start > grace_s):

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from kdrun.runtime.cache import COMPLETE_MARKER, DAMAGED_DIR, manifest_problem, quarantine
+from kdrun.runtime.cache import COMPLETE_MARKER, DAMAGED_DIR, lock_is_free, manifest_problem, quarantine
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 SIZES = {"": 2**30, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -131,14 +131,7 @@ def print_items(items: list[Item]) -> None:
 
 def writer_gone(item: Item) -> bool:
     """True when no process holds the entry's lock (a staging directory's writer has stopped)."""
-    lock = item.path.parent / f"{item.key}.lock"
-    if not lock.exists():  # never created, or removed as stale: nobody builds (and none is made here)
-        return True
-    try:
-        with FileLock(str(lock), timeout=0):
-            return True
-    except Timeout:
-        return False
+    return lock_is_free(item.path.parent / f"{item.key}.lock")  # a missing lock: nobody builds (none is made here)
 
 
 def in_use(item: Item) -> bool:
