@@ -53,7 +53,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from kdrun.report.cli import collect
 from kdrun.runtime.cache import write_json_atomic, write_text_atomic
@@ -118,6 +118,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="fine-tune the teacher on this many training rows instead (overrides --teacher-full)")
     p.add_argument("--epochs", type=float, default=None, help="override the preset's epochs per stage")
     p.add_argument("--extra", action="append", default=[], help="any further kdrun override (repeatable)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="(task, objective) pipelines run at once (default 1; on a GPU several share the card: "
+                        "each task's first objective runs alone first, so its teacher is fine-tuned once)")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--measure-lengths", action="store_true",
                    help="print the share of rows each max length would cut (per task and split) and exit")
@@ -211,11 +214,14 @@ def _same(a: object, b: object) -> bool:
         return str(a) == str(b)
 
 
-def run_objective(args: argparse.Namespace, task: str, objective: str, out: Path) -> dict[str, object] | None:
+def run_objective(args: argparse.Namespace, task: str, objective: str, out: Path,
+                  after_grid: Callable[[], object] | None = None) -> dict[str, object] | None:
     common = [*common_overrides(args, task), f"objective={objective}"]
     points = grid(args, objective)
     kdrun_multirun([*common, *(f"{k}={v}" for k, v in points.items()), f"seed={args.grid_seed}"],
                    out / "grid" / task / objective, args.dry_run)
+    if after_grid is not None:
+        after_grid()
     chosen = None if args.dry_run else choose(out / "grid" / task / objective, list(points))
     setting = chosen["setting"] if chosen else {k: v.split(",")[0] for k, v in points.items()}
     if not args.dry_run:
@@ -227,6 +233,37 @@ def run_objective(args: argparse.Namespace, task: str, objective: str, out: Path
 
 def run_task(args: argparse.Namespace, task: str, out: Path) -> dict[str, object]:
     return {obj: run_objective(args, task, obj, out) for obj in objectives_for(args, task)}
+
+
+def run_all(args: argparse.Namespace, out: Path) -> dict[str, dict[str, object]]:
+    """Every task's pipelines: one after another, or ``--jobs`` at once. With several jobs, each
+    task's first objective starts first (its first run fine-tunes and caches the task's teacher);
+    the task's other objectives wait until that objective's grid has finished, so no two runs
+    fine-tune the same teacher, and the longest pipelines (the larger grids) start first."""
+    tasks = args.tasks.split(",")
+    if args.jobs <= 1 or args.dry_run:
+        return {task: run_task(args, task, out) for task in tasks}
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    plan = {task: objectives_for(args, task) for task in tasks}
+    ready = {task: threading.Event() for task in tasks}
+    rest = sorted(((t, o) for t, objs in plan.items() for o in objs[1:]), key=lambda p: -len(grid(args, p[1])))
+
+    def first(task: str) -> dict[str, object] | None:
+        try:
+            return run_objective(args, task, plan[task][0], out, after_grid=ready[task].set)
+        finally:
+            ready[task].set()
+
+    def later(task: str, objective: str) -> dict[str, object] | None:
+        ready[task].wait()
+        return run_objective(args, task, objective, out)
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # FIFO: every first is taken before a later
+        futures = {(t, plan[t][0]): pool.submit(first, t) for t in tasks}
+        futures.update({pair: pool.submit(later, *pair) for pair in rest})
+        return {task: {o: futures[(task, o)].result() for o in plan[task]} for task in tasks}
 
 
 def merged_choices(path: Path, chosen: dict, args: argparse.Namespace, seconds: float) -> dict:
@@ -383,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = Path(args.out)
     t0 = time.time()
-    chosen = {task: run_task(args, task, out) for task in args.tasks.split(",")}
+    chosen = run_all(args, out)
     report = ["kdrun-report", str(out / "seeds"), "--out", str(out / "report"),
               "--figure", str(out / "report" / "objectives.png")]
     print("$ " + " ".join(report), flush=True)

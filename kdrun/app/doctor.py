@@ -135,7 +135,7 @@ def check_environment(report: Report) -> str:
     for i in range(torch.cuda.device_count() if cuda else 0):
         cap = torch.cuda.get_device_capability(i)
         report.add(f"device {i}", "info", f"{torch.cuda.get_device_name(i)}, compute capability {cap[0]}.{cap[1]}",
-                   name=torch.cuda.get_device_name(i), capability=list(cap))
+                   device_name=torch.cuda.get_device_name(i), capability=list(cap))
     device = "cuda" if cuda else "cpu"
     bf16 = native_bf16()
     report.add("native bf16", "info", "yes" if bf16 else ("no" if cuda else "no (CUDA is absent)"), native_bf16=bf16)
