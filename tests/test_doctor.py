@@ -158,3 +158,40 @@ def test_precision_student_check_fails_on_bf16_master_weights() -> None:
     assert not ok and "lost to rounding" in detail
     assert not judge_step({**ref, "dtypes": {"torch.bfloat16"}}, ref)[0]
     assert judge_step(ref, ref)[0]
+
+
+def test_device_rows_on_a_gpu_do_not_collide_with_the_check_name(monkeypatch) -> None:
+    """On a machine with GPUs the environment check adds one row per device; its data once had a
+    ``name`` key, which collided with Report.add's own argument (a TypeError on every GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Test GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
+    report = doctor.Report()
+    try:
+        doctor.check_environment(report)
+    except Exception as e:  # noqa: BLE001 - later CUDA calls fail on a CPU machine; the rows before them count
+        assert "name" not in str(e), e
+    row = next(c for c in report.checks if c.name == "device 0")
+    assert row.data == {"device_name": "Test GPU", "capability": [9, 0]}
+
+
+def test_student_kind_steps_move_each_batch_to_the_runs_device(monkeypatch, tmp_path: Path) -> None:
+    """The student-kind check feeds the engine's step batches on the run's device, as the trainer
+    does (on a GPU the batches once stayed on the CPU: index_select across devices)."""
+    from kdrun.app import doctor_students
+    from kdrun.engine import trainer
+
+    moved, seen = [], []
+
+    def fake_to_device(batch, device):
+        moved.append(str(device))
+        return {**batch, "placed": True}
+
+    session, parts = doctor_students.build_run(doctor_students.kind_overrides("random", tmp_path, None, None)
+                                               + [f"cache_dir={tmp_path}/cache"], tmp_path / "run")
+    monkeypatch.setattr(trainer, "to_device", fake_to_device)
+    monkeypatch.setattr(trainer, "train_step", lambda parts, loop, batch, state: seen.append(batch))
+    doctor_students.first_steps(parts, session.pre["plans"][0], max_steps=2)
+    assert seen and all(b.get("placed") for b in seen)
+    assert moved == [str(parts.accelerator.device)] * len(seen)

@@ -75,7 +75,7 @@ def first_steps(parts, plan, max_steps: int = 12) -> dict[str, Any]:
     """Engine steps of ``plan`` until one changes the weights (warm-up starts at lr 0; the fp16 scaler
     may skip its first steps): that step's update and the dtypes it left."""
     from kdrun.engine.checkpoints import TrainState
-    from kdrun.engine.trainer import setup_stage, train_step
+    from kdrun.engine.trainer import setup_stage, to_device, train_step
 
     state = TrainState(stage=plan.index)
     loop = setup_stage(parts, plan, state, None)
@@ -85,7 +85,7 @@ def first_steps(parts, plan, max_steps: int = 12) -> dict[str, Any]:
     for i, batch in enumerate(loop.loader):
         before = torch.cat([p.detach().float().flatten() for p in params])
         torch.manual_seed(i)
-        train_step(parts, loop, batch, state)
+        train_step(parts, loop, to_device(batch, parts.accelerator.device), state)
         state.global_step += 1
         state.stage_step += 1
         loop.scheduler.step()
