@@ -380,6 +380,28 @@ def versus_logit_lines(seeds_dir: Path) -> list[str]:
 
 # ----------------------------------------------------------------------------------- lengths
 
+def runs_csv(out: Path) -> str:
+    """One row per finished run of the study (grid and seeds): its setting, dev score, teacher's
+    score, device, precision and seconds, so every number of the report can be checked."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["phase", "task", "objective", "seed", "lr", "lambda_ckd", "metric", "dev", "teacher_dev",
+                "device", "precision", "run_seconds"])
+    for phase in ("grid", "seeds"):
+        runs, _ = collect([out / phase]) if (out / phase).exists() else ([], [])
+        for r in sorted(runs, key=lambda r: (r.task, r.objective, r.seed, str(r.flat.get("train.lr")))):
+            res = json.loads((r.path / "results.json").read_text())
+            teacher = _main_value((res.get("teacher") or {}).get("metrics") or {}, r.metric)
+            w.writerow([phase, r.task, r.objective, r.seed, r.flat.get("train.lr"),
+                        r.flat.get("objective.params.lambda_ckd", ""), r.metric, f"{100 * r.value:.2f}",
+                        "" if teacher is None else f"{100 * teacher:.2f}", res.get("device"), res.get("precision"),
+                        round((res.get("timings") or {}).get("total_s", 0.0), 1)])
+    return buf.getvalue()
+
+
 def length_lines(args: argparse.Namespace, lengths: tuple[int, ...] = (64, 128, 256)) -> list[str]:
     """The share of rows longer than each max length, per task and split, with the teacher's tokenizer
     (the glue_cpu recipe's: all-MiniLM-L6-v2's uncased WordPiece)."""
@@ -433,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
                             ("versus_logit.txt", versus_logit_lines(out / "seeds"))):
             print("\n".join(lines), flush=True)
             write_text_atomic(out / "report" / name, "\n".join(lines) + "\n")
+        write_text_atomic(out / "report" / "runs.csv", runs_csv(out))
     print(f"[reproduce_glue] wall time {time.time() - t0:.0f}s; chosen settings in {out / 'chosen.json'}")
     return rc
 

@@ -298,3 +298,51 @@ def test_versus_logit_pairs_by_seed(tmp_path: Path) -> None:
     # finetune: -1, +1, -1, +1, -1, +1: mean 0, every sign assignment as extreme: p = 1
     assert "  stsb finetune | 6 | +0.00 | 1 |" in "\n".join(lines)
     assert not any(" logit |" in line for line in lines[1:])
+
+
+def test_jobs_fine_tune_each_teacher_once_before_the_tasks_other_objectives(monkeypatch) -> None:
+    """--jobs N: each task's first objective starts first; the task's other objectives wait until its
+    grid (whose first run fine-tunes the teacher) has finished; every pipeline's choice comes back."""
+    import threading
+    import time
+
+    script = load_script("reproduce_glue")
+    args = script.parse_args(["--glue", "g", "--recipe", "glue_cpu", "--tasks", "sst2,mrpc", "--jobs", "3"])
+    events, lock = [], threading.Lock()
+
+    def fake(args, task, objective, out, after_grid=None):
+        with lock:
+            events.append(("start", task, objective))
+        time.sleep(0.05)
+        with lock:
+            events.append(("grid", task, objective))
+        if after_grid:
+            after_grid()
+        return {"setting": objective}
+
+    monkeypatch.setattr(script, "run_objective", fake)
+    chosen = script.run_all(args, Path("out"))
+    for task in ("sst2", "mrpc"):
+        objectives = script.objectives_for(args, task)
+        assert chosen[task] == {o: {"setting": o} for o in objectives}
+        first_grid = events.index(("grid", task, objectives[0]))
+        assert all(events.index(("start", task, o)) > first_grid for o in objectives[1:])
+    assert [e[1] for e in events[:2]] == ["sst2", "mrpc"] and {e[0] for e in events[:2]} == {"start"}
+
+
+def test_runs_csv_has_one_row_per_finished_run(tmp_path: Path) -> None:
+    script = load_script("reproduce_glue")
+    for phase, seed, value in (("grid", 0, 0.70), ("seeds", 1, 0.72), ("seeds", 2, 0.74)):
+        job = tmp_path / phase / "stsb" / "ckd" / f"job{seed}"
+        job.mkdir(parents=True)
+        (job / "results.json").write_text(json.dumps({
+            "task": "stsb", "objective": "ckd", "device": "cuda", "precision": "bf16", "timings": {"total_s": 12.34},
+            "teacher": {"metrics": {"validation": {"pearson": 0.869}}},
+            "student": {"name": "s", "metrics": {"validation": {"pearson": value}}},
+            "config": {"seed": seed, "train": {"lr": 3e-4}, "objective": {"params": {"lambda_ckd": 0.1}},
+                       "task": {"name": "stsb", "main_metric": "pearson"}}}))
+    rows = list(csv.DictReader(script.runs_csv(tmp_path).splitlines()))
+    assert [(r["phase"], r["seed"], r["dev"]) for r in rows] == [("grid", "0", "70.00"), ("seeds", "1", "72.00"),
+                                                                 ("seeds", "2", "74.00")]
+    assert rows[0] | {} == {**rows[0], "teacher_dev": "86.90", "lr": "0.0003", "lambda_ckd": "0.1",
+                            "device": "cuda", "precision": "bf16", "run_seconds": "12.3", "metric": "pearson"}
