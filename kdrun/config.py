@@ -461,15 +461,61 @@ def _short_hash(text: str) -> str:
 
 
 # Overrides that do not change what a sweep computes (they are also left out of job directory names).
-NON_IDENTITY_KEYS = ("resume", "logger", "train.device", "train.num_threads", "hydra.", "launcher", "report",
-                     "cache_max_gb", "cache_wait_timeout_s")
+# The one list of config keys that do not change what a run computes (where and how it runs, what it
+# tracks and reports, the testing aid that stops it early). A key names its subtree. Three things
+# follow it: a multirun's directory name (sweep_name), a run's directory name (Hydra's
+# override_dirname.exclude_keys in conf/config.yaml reads it through ${kd.non_identity_keys:}) and
+# the configuration identity that checkpoints are matched against (kdrun.app.run.run_config_hash).
+NON_IDENTITY_KEYS = ("resume", "logger", "launcher", "report", "output_dir", "run_name", "cache_max_gb",
+                     "cache_wait_timeout_s", "train.device", "train.num_threads", "train.stop_after_steps", "hydra")
+
+
+def is_non_identity(key: str) -> bool:
+    """Whether the dotted config ``key`` (or the subtree it lies in) is one of NON_IDENTITY_KEYS."""
+    return any(key == k or key.startswith(k + ".") for k in NON_IDENTITY_KEYS)
+
+
+def without_non_identity(resolved: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``resolved`` (a plain config tree) without the NON_IDENTITY_KEYS subtrees."""
+    out = {}
+    for k, v in resolved.items():
+        key = f"{prefix}{k}"
+        if is_non_identity(key):
+            continue
+        out[k] = without_non_identity(v, key + ".") if isinstance(v, dict) else v
+    return out
+
+
+def non_identity_override_keys() -> list[str]:
+    """NON_IDENTITY_KEYS as the exact override keys Hydra's ``exclude_keys`` compares with: each key
+    and every key below it in the schema (Hydra matches whole keys, not prefixes)."""
+    import dataclasses
+
+    def below(node: Any, prefix: str) -> list[str]:
+        if not dataclasses.is_dataclass(node):
+            return []
+        out = []
+        for f in dataclasses.fields(node):
+            key = f"{prefix}.{f.name}"
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            out += [key, *below(default, key)]
+        return out
+
+    root = KdrunConfig()
+    keys = []
+    for k in NON_IDENTITY_KEYS:
+        node = root
+        for part in k.split("."):
+            node = getattr(node, part, None)
+        keys += [k, *below(node, k)]
+    return keys
 
 
 def sweep_name(overrides: list[str]) -> str:
     """Name of a multirun's directory from the command line's overrides: the experiment/task/sweep
     choices for people and a hash of all the overrides that change results, so the same command
     always finds the same directory (whatever the launcher or logger)."""
-    kept = sorted(o for o in overrides if not o.lstrip("+~").startswith(NON_IDENTITY_KEYS))
+    kept = sorted(o for o in overrides if not is_non_identity(o.lstrip("+~").split("=", 1)[0]))
     label = [o.split("=", 1)[1] for o in kept if o.split("=", 1)[0] in ("experiment", "task", "sweep")]
     label = [v.replace(",", "+").replace("/", "_") for v in label][:3]
     return "-".join([*label, _short_hash(" ".join(kept))])
@@ -488,6 +534,6 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="kdrun_schema", node=KdrunConfig)
     for name, fn in (("kd.one_minus", _one_minus), ("kd.mul", _mul), ("kd.hash", _short_hash),
-                     ("kd.ensure_dir", _ensure_dir)):
+                     ("kd.ensure_dir", _ensure_dir), ("kd.non_identity_keys", non_identity_override_keys)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

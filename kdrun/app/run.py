@@ -15,6 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kdrun.app.preflight import ConfigError, preflight
+from kdrun.config import without_non_identity
 from kdrun.engine.optim import without_default_optim
 from kdrun.runtime.cache import content_hash, staging_dir, write_json_atomic
 from kdrun.strategies.dynabert.plan import without_default_adaptive
@@ -59,11 +60,9 @@ def _start_over(run_dir: Path) -> None:
 
 def run_config_hash(resolved: dict[str, Any]) -> str:
     """Identity of a run's configuration for its checkpoints: everything that changes the result
-    (tracking settings, ``resume`` and the ``train.stop_after_steps`` testing aid do not)."""
-    keep = {k: v for k, v in resolved.items() if k not in ("resume", "logger", "output_dir", "run_name", "report",
-                                                           "cache_max_gb", "cache_wait_timeout_s")}
-    keep["train"] = without_default_optim({k: v for k, v in keep.get("train", {}).items()
-                                           if k not in ("stop_after_steps", "num_threads")})
+    (kdrun.config.NON_IDENTITY_KEYS do not: tracking, reporting, device, ``resume``...)."""
+    keep = without_non_identity(resolved)
+    keep["train"] = without_default_optim(keep.get("train", {}))
     if not (keep.get("task") or {}).get("imports", True):  # no task.imports: as before the key existed
         keep["task"] = {k: v for k, v in keep["task"].items() if k != "imports"}
     objective = keep.get("objective") or {}  # default optimizers leave the checkpoints of older runs valid
