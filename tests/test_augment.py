@@ -444,3 +444,14 @@ def test_bench_flop_count_matches_torch_flop_counter():
             model.cls(model.bert(input_ids=ids).last_hidden_state[:, 4])
     assert bench.forward_flops(length, hidden, layers, inter, vocab, head_rows=length) == full.get_total_flops()
     assert bench.forward_flops(length, hidden, layers, inter, vocab, head_rows=1) == one.get_total_flops()
+
+
+def test_settings_read_the_typed_schema_and_name_a_wrong_key_or_type() -> None:
+    """A plain mapping is read through the schema (typed): defaults fill what it leaves out, and a
+    value of the wrong type or an unknown key fails naming the key."""
+    s = settings_from_config({"name": "tinybert", "mlm": "m"})
+    assert (s.m, s.n, s.p_t, s.max_vectors, s.copy_labels) == (15, 20, 0.4, 100000, False)
+    with pytest.raises(AugmentationError, match=r"augmentation\.m: "):
+        settings_from_config(aug_cfg("m", m="many"))
+    with pytest.raises(AugmentationError, match=r"augmentation\.colour: "):
+        settings_from_config(aug_cfg("m", colour=1))

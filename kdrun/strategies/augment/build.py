@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import datasets
 import numpy as np
@@ -65,38 +65,47 @@ class AugmentSettings:
     max_tokens: int | None
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
+def _typed(cfg_aug: Any) -> Any:
+    """The ``augmentation`` node (DictConfig, dataclass or dict) as a typed AugmentationConfig; a
+    wrong key or a value of the wrong type fails naming the key."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from kdrun.config import AugmentationConfig, typed
+
+    try:
+        return typed(cfg_aug, AugmentationConfig)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise AugmentationError(f"augmentation.{key}: {str(e).splitlines()[0]}") from None
 
 
 def settings_from_config(cfg_aug: Any) -> AugmentSettings:
     """Check an ``augmentation`` config node (DictConfig, dataclass or dict); errors name the key."""
-    name = str(_get(cfg_aug, "name", "none"))
+    cfg_aug = _typed(cfg_aug)
+    name = str(cfg_aug.name)
     if name not in KNOWN_NAMES:
         raise AugmentationError(
             f"augmentation.name={name!r}: no augmented data to build; choose augmentation=tinybert")
-    params = dict(_get(cfg_aug, "params", None) or {})
+    params = dict(cfg_aug.params or {})
     unknown = sorted(set(params) - set(KNOWN_PARAMS))
     if unknown:
         raise AugmentationError(
             f"augmentation.params.{unknown[0]} is not a known option; known: {', '.join(KNOWN_PARAMS)}")
 
     def integer(key: str, low: int) -> int:
-        value = _get(cfg_aug, key)
+        value = cfg_aug[key]
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise AugmentationError(f"augmentation.{key}={value!r} must be an integer >= {low}")
         return int(value)
 
-    p_t = _get(cfg_aug, "p_t")
+    p_t = cfg_aug.p_t
     if isinstance(p_t, bool) or not isinstance(p_t, (int, float)) or not 0.0 <= float(p_t) <= 1.0:
         raise AugmentationError(f"augmentation.p_t={p_t!r} must be a probability in [0, 1]")
-    mlm = _get(cfg_aug, "mlm")
+    mlm = cfg_aug.mlm
     if not mlm:
         raise AugmentationError("augmentation.mlm is empty; give a fill-mask model (hub id, directory or pkg:)")
-    vectors = _get(cfg_aug, "word_vectors")
-    num_proc = _get(cfg_aug, "num_proc")
+    vectors = cfg_aug.word_vectors
+    num_proc = cfg_aug.num_proc
     if num_proc is not None and (not isinstance(num_proc, int) or num_proc < 1):
         raise AugmentationError(f"augmentation.num_proc={num_proc!r} must be null or an integer >= 1")
     precision = str(params.get("precision", "auto"))
@@ -115,7 +124,7 @@ def settings_from_config(cfg_aug: Any) -> AugmentSettings:
         seed=integer("seed", 0),
         batch_size=integer("batch_size", 1),
         num_proc=num_proc,
-        copy_labels=bool(_get(cfg_aug, "copy_labels", False)),
+        copy_labels=bool(cfg_aug.copy_labels),
         precision=precision,
         max_tokens=max_tokens,
     )
