@@ -81,6 +81,33 @@ def _command_overrides(argv: list[str]) -> list[str]:
     return list(args.overrides or [])
 
 
+def sweep_preset_error(overrides: list[str]) -> str | None:
+    """A sweep preset is the grid of one objective (its ``sweep.objective``) and no longer chooses
+    it: the one-line error when the command's objective is another, else None."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from kdrun.config import register_configs
+
+    preset = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "sweep"), None)
+    if preset is None or "," in preset:
+        return None
+    fixed = [o for o in overrides if "," not in o.split("=", 1)[-1] and not o.lstrip("+~").startswith("hydra.")]
+    chosen = next((o.split("=", 1)[1].split(",") for o in overrides if o.split("=", 1)[0] == "objective"), [None])
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="kdrun.conf", version_base="1.3"):
+        for objective in chosen:
+            extra = [] if objective is None else [f"objective={objective}"]
+            cfg = compose(config_name="config", overrides=[o for o in fixed if not o.startswith("objective=")] + extra)
+            wanted = (cfg.sweep or {}).get("objective")
+            if wanted and cfg.objective.name != wanted:
+                return (f"kdrun: error: sweep={preset} is the grid of objective={wanted} and does not choose it; "
+                        f"this command's objective is {cfg.objective.name}: add objective={wanted}")
+    GlobalHydra.instance().clear()
+    return None
+
+
 def _exit_for(error: Exception, full_traceback: bool) -> None:
     """Report an error that escaped Hydra and exit with kdrun's status: 2 for a mistake the user
     fixes (a bad override, an unwritable run directory, a user error in a sweep job), 1 for anything
@@ -117,6 +144,11 @@ def main() -> None:
         os.environ["KDRUN_SWEEP_NAME"] = sweep_name(_command_overrides(sys.argv[1:]))
     if {"-m", "--multirun"} & set(sys.argv[1:]):
         from kdrun.runtime.launching import install
+
+        error = sweep_preset_error(_command_overrides(sys.argv[1:]))
+        if error:
+            print(error, file=sys.stderr)
+            sys.exit(2)
 
         install()  # submitit launchers: skip finished jobs, follow SLURM jobs without accounting
     try:

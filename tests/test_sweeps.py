@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from kdrun.config import sweep_name
-from tests.conftest import TINY, TOY
+from tests.conftest import TINY, TOY, compose
 
 
 def env_for(tmp: Path) -> dict[str, str]:
@@ -204,6 +204,9 @@ def test_every_sweep_preset_sweeps_existing_keys(preset: str) -> None:
     register_configs()
     with initialize_config_module(config_module="kdrun.conf", version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=[f"sweep={preset}"], return_hydra_config=True)
+        if cfg.sweep.get("objective"):  # an objective's grid: composed with that objective, as its users run it
+            cfg = hydra_compose(config_name="config", overrides=[f"sweep={preset}", f"objective={cfg.sweep.objective}"],
+                                return_hydra_config=True)
     params = cfg.hydra.sweeper.params
     assert params, f"sweep={preset} sweeps nothing"
     absent = object()
@@ -212,3 +215,20 @@ def test_every_sweep_preset_sweeps_existing_keys(preset: str) -> None:
     if preset == "optuna":
         assert cfg.hydra.sweeper.direction == "maximize" and "optuna.db" in cfg.hydra.sweeper.storage
 
+
+
+@pytest.mark.parametrize("preset,objective", [("ckd_grid", "ckd"), ("ckd_grid_emnlp", "ckd"), ("alp_grid", "alp"),
+                                              ("tinybert_grid", "tinybert")])
+def test_an_objectives_grid_does_not_choose_the_objective(preset: str, objective: str) -> None:
+    """sweep=<grid> changes only the keys it sweeps: the composed objective is the command's, and
+    a command with another objective stops with one line naming the one the grid is for."""
+    from kdrun.cli import sweep_preset_error
+
+    assert compose([f"sweep={preset}"]).objective.name == "logit"  # the default, not switched
+    assert sweep_preset_error([f"sweep={preset}", f"objective={objective}", "task=cola", "seed=1,2"]) is None
+    error = sweep_preset_error([f"sweep={preset}", "task=cola"])
+    assert error == (f"kdrun: error: sweep={preset} is the grid of objective={objective} and does not choose it; "
+                     f"this command's objective is logit: add objective={objective}")
+    both = sweep_preset_error([f"sweep={preset}", f"objective={objective},logit"])
+    assert both.endswith(f"add objective={objective}")
+    assert sweep_preset_error(["sweep=seeds", "objective=logit"]) is None
