@@ -40,7 +40,9 @@ Every step is a kdrun multirun, so rerunning the command skips finished jobs and
 interrupted ones. ``--max-train-samples`` / ``--epochs`` scale the students' part of the study;
 ``--teacher-full`` (default) fine-tunes each task's teacher on its whole training split, as the
 papers do (``--no-teacher-full``: on the students' subsample; ``--teacher-max-train-samples N``:
-on N rows of the same shuffle); ``--dry-run`` prints the commands.
+on N rows of the same shuffle); ``--dry-run`` prints the commands; ``--jobs N`` runs N (task,
+objective) pipelines at once (on a GPU; each task's teacher is still fine-tuned once), and the
+report's ``runs.csv`` lists every finished run.
 """
 
 from __future__ import annotations
