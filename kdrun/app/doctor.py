@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import copy
 import io
-import json
 import math
 import os
 import resource
@@ -35,6 +34,8 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
+
+from kdrun.runtime.cache import write_json_atomic
 
 # Tolerance of a mixed-precision step's loss against the fp32 step's on the same models and batch:
 # |loss - fp32| <= rel * |fp32| + abs. bf16 keeps 8 bits of mantissa (relative rounding 4e-3 per
@@ -101,23 +102,6 @@ class Report:
         counts = {s: sum(c.status == s for c in self.checks) for s in ("pass", "fail", "skip", "info")}
         return {"ok": self.ok, **meta, "counts": counts,
                 "checks": [{**asdict(c), "line": c.line} for c in self.checks]}
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` via a temporary file in the same directory and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.fchmod(fd, 0o666 & ~umask)  # as an ordinary new file (mkstemp makes it private)
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, default=str)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # -------------------------------------------------------------------------------- the environment
@@ -343,10 +327,6 @@ class EngineStep:
         return StepResult(loss, math.isfinite(loss), finite, norm, skipped)
 
 
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device) for k, v in batch.items()}
-
-
 # -------------------------------------------------------------------------------- objectives
 
 def task_objectives() -> dict[str, Any]:
@@ -413,6 +393,8 @@ def objective_models(cfg: Any) -> tuple[list[Any], dict[str, Any]]:
 
 def step_results(cfg: Any, device: str, precisions: list[str], run_dir: Path) -> dict[str, list[StepResult]]:
     """Per precision, one engine step of every stage (fresh models each) on the same batch."""
+    from kdrun.engine.trainer import to_device
+
     plans, models = objective_models(cfg)
     batch = fixed_batch(4, 16, 100)
     out: dict[str, list[StepResult]] = {}
@@ -545,6 +527,8 @@ def bench_worker(objective: str, teacher: Shape, student: Shape, batch: int, tok
 
 
 def _time_steps(step: EngineStep, batch: dict[str, torch.Tensor], steps: int, warmup: int) -> dict[str, Any]:
+    from kdrun.engine.trainer import to_device
+
     dev = step.parts.accelerator.device
     batch = to_device(batch, dev)
     for _ in range(warmup):
