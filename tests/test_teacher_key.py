@@ -64,7 +64,7 @@ def test_every_task_key_is_classified() -> None:
 
 
 def test_every_teacher_key_is_classified() -> None:
-    _check_partition(C.ModelConfig, T.TEACHER_KEYED, T.TEACHER_KEYED_AS_RESOLVED, T.TEACHER_NOT_IN_KEY)
+    _check_partition(C.TeacherConfig, T.TEACHER_KEYED, T.TEACHER_KEYED_AS_RESOLVED, T.TEACHER_NOT_IN_KEY)
 
 
 def test_every_run_key_is_classified() -> None:
@@ -243,8 +243,6 @@ NOT_IN_KEY_CHANGES = {
     "teacher.store_dtype": "fp32",
     "teacher.store_max_gb": 1.0,
     "teacher.dtype": "bf16",
-    "teacher.source": "bert-base-uncased",
-    "teacher.num_layers": 2,
     "seed": 7,
     "student.hidden_size": 48,
     "objective.alpha": 0.3,

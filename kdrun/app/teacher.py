@@ -62,8 +62,6 @@ TEACHER_NOT_IN_KEY = {
              "fine-tuning; the store has its own key, kdrun/engine/teacher_store.py)",
     "store_dtype": "the dtype of the stored outputs (in the store's key, not the teacher's)",
     "store_max_gb": "a size cap for the store's entries (after fine-tuning)",
-    "source": "for truncated students only (teacher.kind=truncated is refused)",
-    "num_layers": "for truncated students only (teacher.kind=truncated is refused)",
     "dtype": "the frozen teacher's dtype while distilling; it fine-tunes under the run's precision (keyed)",
 }
 
