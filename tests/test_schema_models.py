@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from kdrun import config as C
-from tests.conftest import compose
+from tests.conftest import REPO, compose
 
 TEACHER_ONLY = {"checkpoint", "store", "store_dtype", "store_max_gb", "finetune"}
 STUDENT_ONLY = {"source", "num_layers"}
@@ -34,3 +34,16 @@ def test_a_key_of_the_other_role_fails_naming_it(override: str, key: str) -> Non
     with pytest.raises(Exception) as e:
         compose([override])
     assert key in str(e.value)
+
+
+MODELS = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_teacher_and_student_of_a_name_are_the_same_model(name: str) -> None:
+    cfg = compose([f"teacher={name}", f"student={name}"])
+    common = _fields(C.ModelConfig)
+    assert {k: cfg.teacher[k] for k in common} == {k: cfg.student[k] for k in common}
+    assert cfg.teacher.name == name
+    for role in ("teacher", "student"):  # each role's option takes its model from conf/model
+        assert f"/model/{name}@_here_" in (REPO / "conf" / role / f"{name}.yaml").read_text()
