@@ -8,10 +8,38 @@ full key (e.g. ``objective.stages[0].lr``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import II, MISSING, OmegaConf
+
+
+class Choice(str, Enum):
+    """A closed set of values for a key: OmegaConf checks a value against it when the config is
+    composed, naming the key and the choices. A member is its own spelling (``train.precision`` reads
+    ``"bf16"`` and compares equal to it), also in f-strings, JSON and the run's hashes."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    __format__ = str.__format__
+
+
+def choices(name: str, *values: str) -> type[Choice]:
+    """A Choice named ``name`` whose members are ``values``, each spelt as its value."""
+    return Choice(name, [(v, v) for v in values], module=__name__, qualname=name)
+
+
+ModelKind = choices("ModelKind", "pretrained", "truncated", "random")
+Dtype = choices("Dtype", "auto", "fp32", "bf16", "fp16")
+StoreMode = choices("StoreMode", "auto", "on", "off")
+StoreDtype = choices("StoreDtype", "fp16", "bf16", "fp32")
+Device = choices("Device", "auto", "cpu", "cuda")
+Precision = choices("Precision", "auto", "no", "fp32", "bf16", "fp16")
+Balance = choices("Balance", "fixed", "gradnorm", "uncertainty")
+Buckets = choices("Buckets", "all", "no", "po")
+MapInit = choices("MapInit", "uniform", "last")
 
 
 @dataclass
@@ -164,7 +192,7 @@ class ModelConfig:
     and ``student=<name>`` share are in conf/model/.
     """
 
-    kind: str = "pretrained"
+    kind: ModelKind = ModelKind.pretrained
     name: str = MISSING
     name_or_path: Optional[str] = None
     fallback_hub_id: Optional[str] = None
@@ -187,13 +215,13 @@ class TeacherConfig(ModelConfig):
     checkpoint: Optional[str] = None
     # The dtype of the frozen teacher's weights while distilling: ``auto`` (the training precision:
     # bf16/fp16 under mixed precision, fp32 otherwise), ``fp32``, ``bf16``, ``fp16``.
-    dtype: str = "auto"
+    dtype: Dtype = Dtype.auto
     # The teacher-output store (kdrun/engine/teacher_store.py): ``auto`` reads a frozen teacher's
     # outputs from the cache where that is faster than running it (building them once), ``on``
     # always where the stage's features can be stored, ``off`` runs the teacher live.
-    store: str = "auto"
+    store: StoreMode = StoreMode.auto
     # The store's dtype (fp16, bf16, fp32) and the largest entry it builds (GiB; larger: live).
-    store_dtype: str = "fp16"
+    store_dtype: StoreDtype = StoreDtype.fp16
     store_max_gb: float = 8.0
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
@@ -208,7 +236,7 @@ class StudentConfig(ModelConfig):
     num_layers: Optional[int] = None
     # The dtype the kept student is saved in (``auto`` = fp32); it always trains with fp32 master
     # weights, whatever the precision.
-    dtype: str = "auto"
+    dtype: Dtype = Dtype.auto
 
 
 @dataclass
@@ -279,7 +307,7 @@ class ObjectiveConfig:
     imports: List[str] = field(default_factory=list)
     # Loss balancing (kdrun/engine/balance.py): ``fixed`` (the YAML weights), ``gradnorm`` (Chen et al.,
     # 2018; balance_alpha is its α) or ``uncertainty`` (Kendall et al., 2018) learn a factor per term.
-    balance: str = "fixed"
+    balance: Balance = Balance.fixed
     balance_alpha: float = 1.5
 
 
@@ -291,9 +319,9 @@ class MappingConfig:
     include_embeddings: bool = True
     # Teacher layers a student layer may draw from: ``all``, ``no`` (non-overlapping buckets) or
     # ``po`` (partially overlapping buckets), for the strategies that combine several layers.
-    buckets: str = "all"
+    buckets: Buckets = Buckets.all
     # ``learnable`` map: initial θ (``uniform`` or ``last``) and its own learning rate (null = stage lr).
-    init: str = "uniform"
+    init: MapInit = MapInit.uniform
     lr: Optional[float] = None
     params: Dict[str, Any] = field(default_factory=dict)
 
@@ -369,10 +397,10 @@ class TrainConfig:
     # When set, every stage of the objective uses this learning rate.
     lr: Optional[float] = None
     # ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
-    device: str = "auto"
+    device: Device = Device.auto
     # ``auto`` = bf16 on a GPU that computes it natively (Ampere+), fp16 + grad scaler on older GPUs,
     # fp32 on CPU; ``fp32``, ``bf16``, ``fp16`` force one (on CPU too: kdrun/runtime/precision.py).
-    precision: str = "auto"
+    precision: Precision = Precision.auto
     # TensorFloat-32 for CUDA fp32 matmuls: ``auto`` (on for CUDA), ``true`` or ``false``; no effect on
     # CPU. The relation losses keep full fp32 whatever it says (kdrun/runtime/precision.py).
     tf32: Any = "auto"

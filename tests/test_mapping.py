@@ -245,7 +245,12 @@ def test_mean_attention_and_concat_targets_by_hand() -> None:
 def test_mapping_typos_fail_before_any_model_loads(run_cfg) -> None:
     from kdrun.app.run import ConfigError, preflight
 
-    with pytest.raises(ConfigError, match="mapping.buckets='nope'"):
-        preflight(run_cfg("mapping=mean", "mapping.buckets=nope"))
-    with pytest.raises(ConfigError, match="mapping.init="):
-        preflight(run_cfg("mapping=learnable", "mapping.init=middle"))
+    # closed sets: the schema refuses them when the config is composed, naming key and choices
+    for overrides, reason in (
+            (("mapping=mean", "mapping.buckets=nope"), "'nope', expected one of [all, no, po]"),
+            (("mapping=learnable", "mapping.init=middle"), "'middle', expected one of [uniform, last]")):
+        with pytest.raises(Exception) as e:
+            run_cfg(*overrides)
+        assert reason in str(e.value.__cause__) and overrides[1].split("=")[0] in str(e.value.__cause__)
+    with pytest.raises(ConfigError, match="mapping.lr="):
+        preflight(run_cfg("mapping=learnable", "mapping.lr=-1"))

@@ -47,3 +47,42 @@ def test_teacher_and_student_of_a_name_are_the_same_model(name: str) -> None:
     assert cfg.teacher.name == name
     for role in ("teacher", "student"):  # each role's option takes its model from conf/model
         assert f"/model/{name}@_here_" in (REPO / "conf" / role / f"{name}.yaml").read_text()
+
+
+@pytest.mark.parametrize("override,key,choices", [
+    ("train.precision=fp8", "train.precision", "auto, no, fp32, bf16, fp16"),
+    ("train.device=tpu", "train.device", "auto, cpu, cuda"),
+    ("objective.balance=equal", "objective.balance", "fixed, gradnorm, uncertainty"),
+    ("teacher.dtype=int8", "teacher.dtype", "auto, fp32, bf16, fp16"),
+    ("student.dtype=int8", "student.dtype", "auto, fp32, bf16, fp16"),
+    ("teacher.store=sometimes", "teacher.store", "auto, on, off"),
+    ("teacher.store_dtype=int8", "teacher.store_dtype", "fp16, bf16, fp32"),
+    ("student.kind=distilled", "student.kind", "pretrained, truncated, random"),
+    ("mapping.buckets=some", "mapping.buckets", "all, no, po"),
+    ("mapping.init=first", "mapping.init", "uniform, last"),
+])
+def test_a_value_outside_a_closed_set_fails_naming_key_and_choices(override: str, key: str, choices: str) -> None:
+    with pytest.raises(Exception) as e:
+        compose([override])
+    message = f"{e.value} {e.value.__cause__}"  # Hydra's line and OmegaConf's reason, as kdrun prints them
+    assert key in message and f"expected one of [{choices}]" in message
+
+
+def test_choices_keep_their_spellings() -> None:
+    """on / off / no as the command line gives them, each equal to (and printed as) its string."""
+    cfg = compose(["teacher.store=off", "mapping.buckets=no", "train.precision=no", "student.dtype=bf16"])
+    assert (cfg.teacher.store, cfg.mapping.buckets, cfg.train.precision) == ("off", "no", "no")
+    assert f"{cfg.student.dtype}" == str(cfg.student.dtype) == "bf16"
+    assert {"bf16": 1}[cfg.student.dtype] == 1
+
+
+def test_choices_match_the_code_that_reads_them() -> None:
+    from kdrun.engine.balance import BALANCE_METHODS
+    from kdrun.engine.teacher_store import STORE_DTYPES, STORE_MODES
+    from kdrun.models.mapping import BUCKETS, INITS
+    from kdrun.runtime.precision import PRECISION_VALUES
+
+    values = lambda enum: {m.value for m in enum}  # noqa: E731
+    assert values(C.StoreMode) == set(STORE_MODES) and values(C.StoreDtype) == set(STORE_DTYPES)
+    assert values(C.Balance) == set(BALANCE_METHODS) and values(C.Precision) == set(PRECISION_VALUES)
+    assert values(C.Buckets) == set(BUCKETS) and values(C.MapInit) == set(INITS)

@@ -154,11 +154,13 @@ def test_store_settings_are_checked_at_compose_time() -> None:
     from kdrun.app.preflight import _check_store
     from kdrun.errors import ConfigError
 
-    cfg = compose([*TINY, *TOY, "teacher.store=sometimes"])
-    with pytest.raises(ConfigError, match="teacher.store='sometimes' must be one of auto, on, off"):
-        _check_store(cfg.teacher)
-    with pytest.raises(ConfigError, match="teacher.store_dtype='int8'"):
-        _check_store(compose([*TINY, *TOY, "teacher.store_dtype=int8"]).teacher)
+    for override, reason in (("teacher.store=sometimes", "'sometimes', expected one of [auto, on, off]"),
+                             ("teacher.store_dtype=int8", "'int8', expected one of [fp16, bf16, fp32]")):
+        with pytest.raises(Exception) as e:
+            compose([*TINY, *TOY, override])
+        assert reason in str(e.value.__cause__) and override.split("=")[0] in str(e.value.__cause__)
+    with pytest.raises(ConfigError, match="teacher.store_max_gb=0"):
+        _check_store(compose([*TINY, *TOY, "teacher.store_max_gb=0"]).teacher)
 
 
 def test_two_processes_store_run_gives_the_live_teachers_student(tmp_path: Path) -> None:

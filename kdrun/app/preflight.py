@@ -34,20 +34,12 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
     _plan_augmentation(cfg, plans)
     if cfg.resume not in (True, False, "wait"):
         raise ConfigError(f"resume={cfg.resume!r} must be true, false or wait")
-    if cfg.train.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"train.device='{cfg.train.device}' must be auto, cpu or cuda")
-    if cfg.train.precision not in ("auto", "no", "fp32", "bf16", "fp16"):
-        raise ConfigError(f"train.precision='{cfg.train.precision}' must be auto, no, fp32, bf16 or fp16")
     from kdrun.tasks.data.pipeline import resolve_num_workers
 
     resolve_num_workers(cfg.train.num_workers, "cpu")  # names train.num_workers when it is neither auto nor >= 0
-    from kdrun.engine.balance import BALANCE_METHODS
-
-    if cfg.objective.balance not in BALANCE_METHODS:
-        raise ConfigError(f"objective.balance='{cfg.objective.balance}' must be one of {', '.join(BALANCE_METHODS)}")
-    for role in ("teacher", "student"):
-        if cfg[role].dtype not in ("auto", "fp32", "bf16", "fp16"):
-            raise ConfigError(f"{role}.dtype='{cfg[role].dtype}' must be auto, fp32, bf16 or fp16")
+    # The closed sets of choices (train.device, train.precision, objective.balance, teacher.dtype,
+    # student.dtype, teacher.store, teacher.store_dtype, teacher.kind, student.kind, mapping.buckets,
+    # mapping.init) are the schema's enums, checked when the config is composed (kdrun.config.Choice).
     _check_store(cfg.teacher)
     try:  # checked here, not at the first evaluation after the teacher has trained
         kind.check_metrics(list(cfg.task.metrics), cfg.task)
@@ -93,8 +85,6 @@ def _resolve_models(cfg: DictConfig, uses_teacher: bool) -> dict[str, Any]:
     refs: dict[str, Any] = {}
     for role in ("teacher", "student"):
         m = getattr(cfg, role)
-        if m.kind not in ("pretrained", "truncated", "random"):
-            raise ConfigError(f"{role}.kind='{m.kind}' must be pretrained, truncated or random")
         if m.kind == "random" and m.family not in ADAPTORS:
             raise ConfigError(f"{role}.family='{m.family}' must be one of {', '.join(ADAPTORS)}")
         if m.kind == "random" and m.tokenizer:
@@ -181,11 +171,5 @@ def _plan_augmentation(cfg: DictConfig, plans: list) -> None:
 
 
 def _check_store(teacher: Any) -> None:
-    from kdrun.engine.teacher_store import STORE_DTYPES, STORE_MODES
-
-    if teacher.store not in STORE_MODES:
-        raise ConfigError(f"teacher.store='{teacher.store}' must be one of {', '.join(STORE_MODES)}")
-    if teacher.store_dtype not in STORE_DTYPES:
-        raise ConfigError(f"teacher.store_dtype='{teacher.store_dtype}' must be one of {', '.join(STORE_DTYPES)}")
     if not teacher.store_max_gb > 0:
         raise ConfigError(f"teacher.store_max_gb={teacher.store_max_gb} must be > 0 (teacher.store=off turns it off)")
