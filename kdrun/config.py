@@ -249,25 +249,6 @@ class LossTermConfig:
 
 
 @dataclass
-class AdaptiveConfig:
-    """DynaBERT's width- and depth-adaptive training (Hou et al., 2020) for one stage (kdrun/strategies/dynabert).
-
-    ``phase``: null (an ordinary stage), ``width`` (phase 2: each batch trains every width at full
-    depth; the teacher is the run's teacher) or ``depth`` (phase 3: every width x depth; the teacher
-    is this stage's starting student, run at the same width).
-    """
-
-    phase: Optional[str] = None
-    widths: List[float] = field(default_factory=lambda: [1.0, 0.75, 0.5, 0.25])
-    depths: List[float] = field(default_factory=lambda: [1.0, 0.75, 0.5])
-    # Phase 1 at the start of a width phase: reorder heads and FFN neurons by importance.
-    rewire: bool = True
-    # Where importance is measured: an eval split (task.eval_splits) or ``train``; null = all rows.
-    importance_data: str = "validation"
-    importance_samples: Optional[int] = None
-
-
-@dataclass
 class StageConfig:
     name: str = MISSING
     losses: List[LossTermConfig] = field(default_factory=list)
@@ -290,8 +271,8 @@ class StageConfig:
     # value into a null typed node; preflight checks its keys.
     optimizer: Any = None
     scheduler: Optional[str] = None
-    # DynaBERT's adaptive width / depth training (phase: width | depth); null phase = ordinary stage.
-    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    # Each registered stage strategy (kdrun/engine/strategies.py) adds its optional block beside
+    # these keys, under the key it owns (register_stage_options); null in a stage that does not use it.
 
 
 @dataclass
@@ -575,10 +556,61 @@ def _ensure_dir(path: str) -> str:
     return str(path)
 
 
+STAGE_STRATEGIES_GROUP = "kdrun.stage_strategies"
+# The stage options of registered stage strategies (kdrun/engine/strategies.py): key -> dataclass.
+_STAGE_OPTIONS: dict[str, type] = {}
+_REGISTERED = False
+
+
+def register_stage_options(key: str, options: type) -> None:
+    """Give every stage the optional block ``key``, typed by the dataclass ``options`` (a stage
+    strategy's settings): null unless an objective's YAML or an override sets it, then completed
+    with the dataclass's defaults, a misspelt key refused when the config is composed."""
+    _STAGE_OPTIONS[key] = options
+    if _REGISTERED:
+        _store_schema()
+
+
+def unregister_stage_options(key: str) -> None:
+    """Take the block ``key`` out of the stages again (a test's plug-in strategy)."""
+    if _STAGE_OPTIONS.pop(key, None) is not None and _REGISTERED:
+        _store_schema()
+
+
+def schema() -> type:
+    """The root schema: :class:`KdrunConfig`, its stages extended by the registered stage options."""
+    if not _STAGE_OPTIONS:
+        return KdrunConfig
+    from dataclasses import make_dataclass
+
+    stage = make_dataclass("StageConfig", [(k, Optional[t], None) for k, t in sorted(_STAGE_OPTIONS.items())],
+                           bases=(StageConfig,))
+    objective = make_dataclass("ObjectiveConfig", [("stages", List[stage], field(default_factory=list))],
+                               bases=(ObjectiveConfig,))
+    return make_dataclass("KdrunConfig", [("objective", objective, field(default_factory=objective))],
+                          bases=(KdrunConfig,))
+
+
+def _store_schema() -> None:
+    ConfigStore.instance().store(name="kdrun_schema", node=schema())
+
+
+def _import_stage_strategies() -> None:
+    """Import the modules of the ``kdrun.stage_strategies`` entry points: each registers its strategy
+    (kdrun.engine.strategies.register_stage_strategy), which registers its options here."""
+    import importlib
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=STAGE_STRATEGIES_GROUP):
+        importlib.import_module(ep.value.split(":")[0])
+
+
 def register_configs() -> None:
     """Register the schema and resolvers; idempotent."""
-    cs = ConfigStore.instance()
-    cs.store(name="kdrun_schema", node=KdrunConfig)
+    global _REGISTERED
+    _import_stage_strategies()
+    _store_schema()
+    _REGISTERED = True
     for name, fn in (("kd.one_minus", _one_minus), ("kd.mul", _mul), ("kd.hash", _short_hash),
                      ("kd.ensure_dir", _ensure_dir), ("kd.non_identity_keys", non_identity_override_keys)):
         if not OmegaConf.has_resolver(name):

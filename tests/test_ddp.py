@@ -63,17 +63,18 @@ def test_ddp_teacher_rank_seeds_and_exact_resume(tmp_path: Path) -> None:
 
 def test_find_unused_parameters_only_where_a_stage_leaves_some_unused() -> None:
     from kdrun.engine.objective import plan_stages
+    from kdrun.engine.strategies import strategy_of
     from kdrun.engine.trainer import leaves_parameters_unused
 
     def unused(objective: str) -> list[bool]:
         cfg = compose([*TINY, *TOY, f"objective={objective}"])
-        return [leaves_parameters_unused(p, adaptive=False) for p in plan_stages(cfg.objective)]
+        return [leaves_parameters_unused(p, strategy_of(p.cfg)) for p in plan_stages(cfg.objective)]
 
     assert unused("tinybert") == [True, False]  # intermediate layers only, then the prediction layer
     assert unused("logit") == [False] and unused("finetune") == [False]
     assert unused("ckd") == [False]  # CKD's relations come with CE/KD on the logits
     plans = plan_stages(compose([*TINY, *TOY, "objective=dynabert"]).objective)
-    assert all(leaves_parameters_unused(p, adaptive=True) for p in plans)  # sub-networks skip weights
+    assert all(leaves_parameters_unused(p, strategy_of(p.cfg)) for p in plans)  # sub-networks skip weights
 
 
 @pytest.mark.parametrize("forced", [None, True])
@@ -98,10 +99,10 @@ def test_ddp_wrapper_follows_the_stage(forced) -> None:
                               unwrap_model=lambda m: getattr(m, "module", m))
         parts = SimpleNamespace(world_size=2, student=model, accelerator=acc,
                                 train_cfg=SimpleNamespace(find_unused_parameters=forced))
-        wrap_for_stage(parts, plans[0], adaptive=False)
+        wrap_for_stage(parts, plans[0], None)
         first = parts.student
         assert first.find_unused_parameters is True
-        wrap_for_stage(parts, plans[1], adaptive=False)
+        wrap_for_stage(parts, plans[1], None)
         assert parts.student.module is model
         assert parts.student.find_unused_parameters is (forced if forced is not None else False)
         assert (parts.student is first) == (forced is True)

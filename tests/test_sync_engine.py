@@ -130,14 +130,15 @@ def test_ddp_ignores_the_parameters_a_stage_leaves_unused_instead_of_searching_e
 
     from kdrun.engine.checkpoints import TrainState
     from kdrun.engine.trainer import ddp_settings, ignore_unused_parameters, setup_stage, train_step
+    from kdrun.strategies.dynabert.strategy import STRATEGY as DYNABERT
 
     # the teacher runs live in every run (teacher.store=auto decides from timings)
     session, parts = session_parts(run_cfg("objective=tinybert", "teacher.store=off"), tmp_path / "run")
     inter, pred = session.pre["plans"]
     tcfg = parts.train_cfg
-    assert ddp_settings(inter, False, tcfg) == (True, True) and ddp_settings(pred, False, tcfg) == (False, False)
-    assert ddp_settings(inter, True, tcfg) == (True, False)  # DynaBERT's sub-networks
-    assert ddp_settings(inter, False, SimpleNamespace(find_unused_parameters=True)) == (True, False)
+    assert ddp_settings(inter, None, tcfg) == (True, True) and ddp_settings(pred, None, tcfg) == (False, False)
+    assert ddp_settings(inter, DYNABERT, tcfg) == (True, False)  # DynaBERT's sub-networks
+    assert ddp_settings(inter, None, SimpleNamespace(find_unused_parameters=True)) == (True, False)
 
     module = parts.accelerator.unwrap_model(parts.student)
     init, init_objective = copy.deepcopy(module.state_dict()), copy.deepcopy(parts.objective.state_dict())

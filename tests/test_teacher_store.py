@@ -115,13 +115,14 @@ def test_what_cannot_be_stored_says_why() -> None:
     from transformers import BertConfig, BertModel
 
     from kdrun.engine.teacher_store import why_not_storable
+    from kdrun.strategies.dynabert.strategy import STRATEGY as DYNABERT
 
     bert = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                 intermediate_size=16))
-    assert why_not_storable(frozenset({"logits", "hidden_states", "qkv"}), bert, False) is None
-    assert "attentions" in why_not_storable(frozenset({"logits", "attentions"}), bert, False)
-    assert "mlm_logits" in why_not_storable(frozenset({"mlm_logits"}), bert, False)
-    assert "DynaBERT" in why_not_storable(frozenset({"logits"}), bert, True)
+    assert why_not_storable(frozenset({"logits", "hidden_states", "qkv"}), bert, None) is None
+    assert "attentions" in why_not_storable(frozenset({"logits", "attentions"}), bert, None)
+    assert "mlm_logits" in why_not_storable(frozenset({"mlm_logits"}), bert, None)
+    assert "DynaBERT" in why_not_storable(frozenset({"logits"}), bert, DYNABERT)
 
 
 def test_gather_pads_rows_like_a_naive_loop(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -276,22 +276,21 @@ class EngineStep:
         self.loop = SimpleNamespace(plan=plan, optimizer=make_optimizer(self.parts, plan), watch=FiniteWatch(),
                                     teacher_table=None, store=None, share_params=None, log_every=10**9,
                                     total_steps=10**9)
-        self.loop.strategy = self._adaptive(plan) or PlainStep()
+        self.loop.strategy = self._strategy_step(plan) or PlainStep()
         self.grads: list[tuple[bool, float]] = []
         if record_grads:  # a host read of the gradient norm before every optimizer step
             self.loop.optimizer.register_step_pre_hook(self._record_grads)
 
-    def _adaptive(self, plan: Any):
-        """DynaBERT's sub-network strategy for adaptive stages (without phase 1's rewiring)."""
-        from kdrun.strategies.dynabert.plan import adaptive_of
-        from kdrun.strategies.dynabert.train import start_adaptive
+    def _strategy_step(self, plan: Any):
+        """The step loop of the stage's strategy (kdrun/engine/strategies.py) as the strategy checks it
+        (StageStrategy.checked_plan), or None for plain steps."""
+        from kdrun.engine.strategies import strategy_of
 
-        a = adaptive_of(plan.cfg)
-        if a is None:
+        strategy = strategy_of(plan.cfg)
+        if strategy is None:
             return None
-        quiet = replace(plan, cfg={**plan.cfg, "adaptive": {**a, "rewire": False}})
         with contextlib.redirect_stdout(io.StringIO()):
-            return start_adaptive(self.parts, quiet, self.state)
+            return strategy.start(self.parts, strategy.checked_plan(plan), self.state)
 
     def _record_grads(self, optimizer, args, kwargs) -> None:
         grads = [p.grad.detach().float() for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -376,13 +375,15 @@ def precisions_for(device: str) -> list[str]:
 def objective_models(cfg: Any) -> tuple[list[Any], dict[str, Any]]:
     """The objective's stages, tiny random teacher and student, and its loss module (seeded)."""
     from kdrun.engine.objective import Objective, plan_stages
+    from kdrun.engine.strategies import strategies_used
     from kdrun.models.loading import describe
     from kdrun.models.mapping import MappingSpec
 
     plans = plan_stages(cfg.objective)
     teacher = bert(TINY_TEACHER, 100, seed=1)
-    # DynaBERT trains the teacher's own copy at several widths and depths
-    student = copy.deepcopy(teacher) if cfg.objective.name.startswith("dynabert") else bert(TINY_STUDENT, 100, seed=2)
+    # a stage strategy may train the teacher's own copy (e.g. at several widths and depths)
+    copies = any(s.student_is_teacher_copy for s in strategies_used(plans))
+    student = copy.deepcopy(teacher) if copies else bert(TINY_STUDENT, 100, seed=2)
     set_attention(teacher, plans, "teacher")
     set_attention(student, plans, "student")
     torch.manual_seed(3)

@@ -1,7 +1,7 @@
 """``kdrun-export``: a finished run's student as ONNX and as int8, each checked against the PyTorch student.
 
     kdrun-export RUN_DIR --format onnx|int8|both [--out DIR]
-    kdrun-export RUN_DIR width=0.5 depth=0.75 OUT_DIR      (DynaBERT sub-networks, kdrun.strategies.dynabert.export)
+    kdrun-export RUN_DIR <a stage strategy's own arguments>  (e.g. a sub-network: width=0.5 depth=0.75 OUT_DIR)
 
 ``--format onnx`` writes ``model.onnx``: the student's logits from ``input_ids``, ``attention_mask``
 (and ``token_type_ids`` for families that use them), with dynamic batch and sequence axes.
@@ -341,16 +341,16 @@ def report_lines(result: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not any(a == "--format" or a.startswith("--format=") for a in argv) and \
-            any(a.startswith(("width=", "depth=")) for a in argv):
-        from kdrun.strategies.dynabert.export import main as dynabert_main
+    from kdrun.engine.strategies import export_with_strategy
 
-        return dynabert_main(argv)
+    status = export_with_strategy(argv)  # arguments a stage strategy's exporter owns (StageStrategy.export)
+    if status is not None:
+        return status
     p = argparse.ArgumentParser(
         prog="kdrun-export",
         description="Export a finished run's student as ONNX and/or int8 (dynamic quantisation), checked on the "
-                    "dev set against the PyTorch student and timed. DynaBERT sub-networks: kdrun-export RUN_DIR "
-                    "width=<m_w> depth=<m_d> OUT_DIR.")
+                    "dev set against the PyTorch student and timed. A stage strategy's own export (e.g. a "
+                    "sub-network): kdrun-export RUN_DIR width=<m_w> depth=<m_d> OUT_DIR.")
     p.add_argument("run_dir", type=Path, help="a finished kdrun run directory (holds results.json and student/)")
     p.add_argument("--format", required=True, choices=FORMATS, help="onnx, int8 or both")
     p.add_argument("--out", type=Path, default=None, help="where the files go (default: <run_dir>/export)")

@@ -17,8 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from kdrun.app.preflight import ConfigError, preflight
 from kdrun.config import without_non_identity
 from kdrun.engine.optim import without_default_optim
+from kdrun.engine.strategies import stage_identity
 from kdrun.runtime.cache import content_hash, staging_dir, write_json_atomic
-from kdrun.strategies.dynabert.plan import without_default_adaptive
 
 __all__ = ["ConfigError", "preflight", "run", "make_accelerator", "run_config_hash"]
 
@@ -67,7 +67,7 @@ def run_config_hash(resolved: dict[str, Any]) -> str:
         keep["task"] = {k: v for k, v in keep["task"].items() if k != "imports"}
     objective = keep.get("objective") or {}  # default optimizers leave the checkpoints of older runs valid
     if objective.get("stages"):
-        keep["objective"] = {**objective, "stages": [without_default_adaptive(without_default_optim(s))
+        keep["objective"] = {**objective, "stages": [stage_identity(without_default_optim(s))
                                                      for s in objective["stages"]]}
     for role in ("teacher", "student"):
         if (keep.get(role) or {}).get("finetune"):
@@ -258,7 +258,6 @@ def make_tracker(session: Session):
 def make_parts(session: Session, data: RunData, models: Models):
     """The trainer's view of the run (the student's train settings, the run's data and tracker)."""
     from kdrun.engine.trainer import RunParts
-    from kdrun.strategies.dynabert.train import start_adaptive
     from kdrun.tasks.kinds import kind_of
 
     cfg, acc = session.cfg, session.accelerator
@@ -267,8 +266,7 @@ def make_parts(session: Session, data: RunData, models: Models):
                     train_data=data.train, eval_data=data.eval, collator=data.collator,
                     metric_fn=kind.metric_fn(cfg.task, data.eval), main_metric=cfg.task.main_metric,
                     selection_splits=cfg.task.selection_splits, selection_threshold=cfg.task.selection_threshold,
-                    evaluator=kind.evaluator(), start_adaptive=start_adaptive,
-                    train_cfg=cfg.train,
+                    evaluator=kind.evaluator(), train_cfg=cfg.train,
                     tracker=session.tracker, run_dir=session.run_dir, config_hash=session.config_hash,
                     log_every=cfg.logger.log_every_steps, rank=acc.process_index, world_size=acc.num_processes,
                     augmented_data=data.augmented, store=store_settings(cfg, data))
@@ -488,12 +486,12 @@ def write_outputs(session: Session, data: RunData, models: Models, parts, state,
     acc.wait_for_everyone()  # the main process may still be writing the best checkpoint
     finalize_best(parts)
     final_metrics = evaluate(parts, models.student)
-    from kdrun.strategies.dynabert.results import evaluate_subnetworks, report
+    from kdrun.engine.strategies import after_run
 
-    subnets = evaluate_subnetworks(parts, session.pre["plans"])  # DynaBERT: every (m_w, m_d); else None
+    added = after_run(parts, session.pre["plans"])  # what the stages' strategies add (e.g. sub-networks' metrics)
     summary = _summary(session, data, models, state, final_metrics, stages_s)
-    if subnets is not None:
-        summary["subnetworks"] = subnets
+    for _, entries in added:
+        summary.update(entries)
     if acc.is_main_process:
         if session.cfg.report.cost:
             summary["cost"] = measure_cost(session, data, models)
@@ -507,8 +505,8 @@ def write_outputs(session: Session, data: RunData, models: Models, parts, state,
         hint = session.tracker.finish()
         write_json_atomic(session.run_dir / "results.json", summary)
         _print_table(summary)
-        if subnets is not None:
-            report(subnets, session.run_dir)
+        for strategy, entries in added:
+            strategy.report(entries, session.run_dir)
         print(f"outputs: {session.run_dir}")
         if hint:
             print(f"wandb (offline): {hint}")

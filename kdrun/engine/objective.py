@@ -9,15 +9,16 @@ learnable module the terms ask for; the parameters of both go to the optimizer, 
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, replace
-from typing import Any, Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from kdrun.config import StageConfig
 from kdrun.engine.balance import Balancer
+from kdrun.engine.strategies import check_stage_options
 from kdrun.errors import ConfigError
 from kdrun.losses import LossContext, LossSpec, Params, check_params, get_loss
 from kdrun.losses.registry import import_loss_modules
@@ -25,6 +26,7 @@ from kdrun.models.features import Features
 from kdrun.models.mapping import MAPPINGS, STRATEGY_PARAMS, LayerMap, MappedPairs, MappingSpec, pairs_map
 
 VALID_DATA = ("original", "augmented")
+STAGE_KEYS = {f.name for f in fields(StageConfig)}  # a stage's own settings; other keys: strategies'
 
 
 @dataclass
@@ -106,23 +108,9 @@ def plan_stages(objective_cfg: DictConfig, epochs: float | None = None, lr: floa
         for t in terms:  # repeated names get a suffix so their logged values stay apart
             if names.count(t.key) > 1:
                 t.key = f"{t.key}_{terms.index(t)}"
-        for check in stage_option_checks():  # e.g. DynaBERT's width / depth phases (adaptive.*)
-            check(st, terms, where_stage)
+        check_stage_options(st, terms, where_stage, STAGE_KEYS)  # a stage strategy's block, if any
         plans.append(StagePlan(i, st["name"], st, terms))
     return plans
-
-
-STAGE_OPTIONS_GROUP = "kdrun.stage_options"
-
-
-@functools.lru_cache(maxsize=1)
-def stage_option_checks() -> tuple[Callable[[dict[str, Any], list[Term], str], None], ...]:
-    """The checks of stage options that training strategies add (entry point group
-    ``kdrun.stage_options``, each ``module:function(stage_cfg, terms, where)`` raising ValueError
-    naming the key), in name order."""
-    from importlib.metadata import entry_points
-
-    return tuple(ep.load() for ep in sorted(entry_points(group=STAGE_OPTIONS_GROUP), key=lambda ep: ep.name))
 
 
 class Objective(nn.Module):
@@ -290,7 +278,7 @@ class Objective(nn.Module):
         ``weighted``, when given, is filled with each term's weighted value still attached to the
         graph (the summands of the total), for per-term gradients (``logger.grad_shares``).
         ``layer_pairs``, when given, replaces the (student, teacher) pairs of every term's one-to-one
-        map for this call (kdrun/strategies/dynabert: a depth sub-network's kept layers, renumbered).
+        map for this call (a stage strategy's sub-network: e.g. the kept layers of a shallower one, renumbered).
         """
         plan = self.plans[stage]
         total = student.attention_mask.new_zeros((), dtype=torch.float32)

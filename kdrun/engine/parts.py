@@ -1,4 +1,7 @@
-"""RunParts: the trainer's view of a run — models, objective, data, metrics, settings, tracker."""
+"""RunParts: the trainer's view of a run — models, objective, data, metrics, settings, tracker.
+
+A stage's strategy (its own step loop) comes from the stage's config through the registry of stage
+strategies (kdrun/engine/strategies.py), not from here."""
 
 from __future__ import annotations
 
@@ -45,7 +48,4 @@ class RunParts:
     selection_threshold: float | None = None
     # The teacher-output store's settings (kdrun/engine/teacher_store.py); None: the teacher runs live.
     store: Any = None
-    # A stage option's own step loop: ``(parts, plan, state) -> strategy or None`` (DynaBERT's
-    # adaptive widths and depths, kdrun/strategies/dynabert/train.py start_adaptive); None: plain steps.
-    start_adaptive: Callable[..., Any] | None = None
 

@@ -43,7 +43,7 @@ Storable needs: ``logits``, ``hidden_states`` (every layer), ``qkv`` and ``atten
 (served from the stored Q and K, like the live teacher's hooks), ``spans`` (read from the batch).
 Not stored, the teacher runs live: post-softmax ``attentions``, masked-LM logits (corpus tasks mask
 at random every epoch), families that add a relative-position bias to their scores (DeBERTa-v2),
-and DynaBERT's adaptive stages.
+and the stages of a stage strategy that runs the teacher live (``StageStrategy.teacher_live``).
 
 Stored outputs equal the live teacher's to the rounding of the store's dtype; with
 ``teacher.store_dtype=fp32`` they differ from a live forward only by the last bits that a batch's
@@ -170,10 +170,11 @@ def stored_kinds(needs: frozenset[str]) -> list[str]:
     return kinds
 
 
-def why_not_storable(needs: frozenset[str], teacher: torch.nn.Module, adaptive: bool) -> str | None:
-    """Why a stage's teacher outputs cannot come from the store, or None when they can."""
-    if adaptive:
-        return "DynaBERT's adaptive stages run the teacher live"
+def why_not_storable(needs: frozenset[str], teacher: torch.nn.Module, strategy: Any = None) -> str | None:
+    """Why a stage's teacher outputs cannot come from the store, or None when they can (``strategy``:
+    the stage's strategy, kdrun/engine/strategies.py, or None)."""
+    if strategy is not None and strategy.teacher_live:
+        return strategy.teacher_live
     extra = sorted(needs - STORABLE)
     if extra:
         return f"the stage reads {', '.join(extra)}, which the store does not keep"
@@ -722,7 +723,7 @@ def _stop_check(parts: Any) -> Callable[[], int | None]:
     return lambda: guard.received if guard is not None else None
 
 
-def open_stage_store(parts: Any, plan: Any, ds: Any, adaptive: bool, state: Any = None) -> StoreReader | None:
+def open_stage_store(parts: Any, plan: Any, ds: Any, strategy: Any = None, state: Any = None) -> StoreReader | None:
     """The stage's store (built now if missing), or None when the teacher runs live (said in one line).
 
     The decision is rank 0's, taken once per stage and kept in ``state.store_decisions`` (the
@@ -734,7 +735,7 @@ def open_stage_store(parts: Any, plan: Any, ds: Any, adaptive: bool, state: Any 
     teacher = acc.unwrap_model(parts.teacher)
     teacher = getattr(teacher, "_orig_mod", teacher)
     say = print if acc.is_main_process else (lambda *a, **k: None)
-    reason = why_not_storable(plan.teacher_needs, teacher, adaptive)
+    reason = why_not_storable(plan.teacher_needs, teacher, strategy)
     if reason is None and plan.teacher_reads_padding:  # the store keeps real tokens only
         reason = "a term reads the teacher's outputs at padded positions (TinyBERT's official reductions)"
     if reason:

@@ -33,6 +33,7 @@ from kdrun.engine.grad_shares import grad_share_logs
 from kdrun.engine.objective import Objective, StagePlan
 from kdrun.engine.optim import build_optimizer, build_scheduler, stage_optim
 from kdrun.engine.parts import RunParts
+from kdrun.engine.strategies import strategy_of
 from kdrun.errors import UserError
 from kdrun.models.features import Features, extract_features, model_inputs, output_logits
 from kdrun.runtime.preemption import Interrupted
@@ -330,8 +331,8 @@ class StageLoop:
     share_params: list[torch.Tensor] | None = None
     meter: _Meter = field(default_factory=_Meter)
     watch: FiniteWatch = field(default_factory=FiniteWatch)
-    # How a micro-batch becomes forward passes: PlainStep, or DynaBERT's sub-network loop
-    # (kdrun/strategies/dynabert/train.py AdaptiveStage, for stages with adaptive.phase).
+    # How a micro-batch becomes forward passes: PlainStep, or the step loop of the stage's strategy
+    # (kdrun/engine/strategies.py; e.g. a loop over sub-networks).
     strategy: Any = None
     # Several processes: find the parameters the stage leaves unused on its first batch (ddp_settings).
     probe_unused: bool = False
@@ -345,16 +346,16 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
         raise RuntimeError(f"stage '{plan.name}' trains on augmented data but none was built")
     from kdrun.engine.teacher_store import StoreCollator, open_stage_store
 
-    # None unless the stage sets adaptive.phase (and the run provides the strategy)
-    adaptive = parts.start_adaptive(parts, plan, state) if parts.start_adaptive else None
-    store = open_stage_store(parts, plan, train_data, adaptive is not None, state)
+    strategy = strategy_of(plan.cfg)  # the stage's strategy, or None for plain steps
+    step = strategy.start(parts, plan, state) if strategy is not None else None
+    store = open_stage_store(parts, plan, train_data, strategy, state)
     loader, sampler = make_loader(
         train_data, cfg["batch_size"], StoreCollator(parts.collator, store) if store else parts.collator,
         seed=tcfg.seed + 1000 * plan.index, train=True,
         group_by_length=tcfg.group_by_length, num_workers=resolve_num_workers(tcfg.num_workers, acc.device.type),
         pin_memory=acc.device.type == "cuda", rank=parts.rank, world_size=parts.world_size,
     )
-    probe = wrap_for_stage(parts, plan, adaptive is not None)
+    probe = wrap_for_stage(parts, plan, strategy)
     batches_per_epoch = len(sampler.batches())
     steps_per_epoch = max(1, batches_per_epoch // tcfg.gradient_accumulation_steps)
     total_steps = max(1, math.ceil(cfg["epochs"] * steps_per_epoch))
@@ -375,26 +376,28 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
             meter.batches = int(saved["batches"])
     table = None
     if (store is None and plan.uses_teacher and plan.teacher_logits_only and tcfg.cache_teacher_logits
-            and cfg["data"] == "original" and adaptive is None):
+            and cfg["data"] == "original" and not (strategy is not None and strategy.teacher_live)):
         table = _teacher_logit_table(parts, plan)
     measure = getattr(parts.tracker, "grad_shares", False)
     pbar = tqdm(total=total_steps, initial=state.stage_step, desc=f"stage {plan.index}:{plan.name}",
                 disable=not acc.is_main_process, dynamic_ncols=True, mininterval=2.0)
     return StageLoop(plan, loader, sampler, optimizer, scheduler, batches_per_epoch, total_steps,
                      num_epochs=math.ceil(total_steps / steps_per_epoch), pbar=pbar, log_every=max(1, parts.log_every),
-                     teacher_table=table, store=store, strategy=adaptive or PlainStep(), meter=meter,
+                     teacher_table=table, store=store, strategy=step or PlainStep(), meter=meter,
                      share_params=[p for p in parts.student.parameters() if p.requires_grad] if measure else None,
                      probe_unused=probe, watch=FiniteWatch(world_size=parts.world_size))
 
 
-def leaves_parameters_unused(plan: StagePlan, adaptive: bool) -> bool:
+def leaves_parameters_unused(plan: StagePlan, strategy: Any = None) -> bool:
     """Whether the stage's loss can leave some of the student's parameters without a gradient (DDP
-    must then search for them every step): unless some term reads the task head's logits (the
-    whole network up to the head is then in the graph), or when sub-networks are trained."""
-    return adaptive or not any(t.spec.reads_logits for t in plan.terms) or not plan.terms
+    must then search for them): unless some term reads the task head's logits (the whole network up
+    to the head is then in the graph), or when the stage's strategy says so (``strategy``: the
+    stage's strategy or None)."""
+    varies = strategy is not None and strategy.leaves_parameters_unused
+    return varies or not any(t.spec.reads_logits for t in plan.terms) or not plan.terms
 
 
-def ddp_settings(plan: StagePlan, adaptive: bool, train_cfg: Any) -> tuple[bool, bool]:
+def ddp_settings(plan: StagePlan, strategy: Any, train_cfg: Any) -> tuple[bool, bool]:
     """(``find_unused_parameters``, ``probe``) of the stage's DDP wrapper.
 
     ``find_unused_parameters=True`` makes DDP search the autograd graph for parameters without a
@@ -404,14 +407,14 @@ def ddp_settings(plan: StagePlan, adaptive: bool, train_cfg: Any) -> tuple[bool,
     found once, on the stage's first batch (``probe``, :func:`ignore_unused_parameters`), DDP is
     told to ignore them and runs without the search. DDP's own ``static_graph`` cannot be used
     there: it counts every parameter that feeds any output of the forward (the head's logits) as
-    used. Sub-networks (DynaBERT: several different forward passes per step) keep the per-step
-    search. ``train.find_unused_parameters`` forces the search on or off (no probe)."""
+    used. A strategy whose steps run several different forward passes (sub-networks) keeps the
+    per-step search. ``train.find_unused_parameters`` forces the search on or off (no probe)."""
     forced = getattr(train_cfg, "find_unused_parameters", None)
     if forced is not None:
         return bool(forced), False
-    if not leaves_parameters_unused(plan, adaptive):
+    if not leaves_parameters_unused(plan, strategy):
         return False, False
-    return True, not adaptive
+    return True, not (strategy is not None and strategy.leaves_parameters_unused)
 
 
 def _ddp_ignored(wrapper: Any) -> set[str]:
@@ -437,13 +440,13 @@ def _ddp_wrap(parts: RunParts, find_unused: bool, ignore: list[str]) -> None:
                         find_unused_parameters=find_unused, broadcast_buffers=False)
 
 
-def wrap_for_stage(parts: RunParts, plan: StagePlan, adaptive: bool) -> bool:
+def wrap_for_stage(parts: RunParts, plan: StagePlan, strategy: Any = None) -> bool:
     """With several processes, (re)wrap the student in DDP with the stage's :func:`ddp_settings`
     (a new wrapper only when they change). True when the stage's first batch should find the
     unused parameters (:func:`ignore_unused_parameters`)."""
     if parts.world_size <= 1:
         return False
-    find_unused, probe = ddp_settings(plan, adaptive, parts.train_cfg)
+    find_unused, probe = ddp_settings(plan, strategy, parts.train_cfg)
     _ddp_wrap(parts, find_unused, [])
     return probe
 
@@ -486,7 +489,7 @@ def ignore_unused_parameters(parts: RunParts, loop: StageLoop, batch: dict[str, 
 # ------------------------------------------------------------------------------------------ the step
 #
 # One engine for every objective, device and precision. A step is: the stage's strategy runs one
-# or more forward passes (PlainStep: the student once; DynaBERT's AdaptiveStage: every
+# or more forward passes (PlainStep: the student once; a stage strategy's loop: e.g. every
 # sub-network) and gives each pass's loss to ``backward``; at an accumulation boundary
 # ``optimizer_step`` averages the objective's gradients across processes, unscales once, clips and
 # steps. Models run under autocast; the objective runs outside it, so every term computes in fp32.

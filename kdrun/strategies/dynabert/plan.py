@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
+from kdrun.strategies.dynabert.options import AdaptiveConfig
 from kdrun.strategies.dynabert.subnet import depth_step
 
+DEFAULTS = asdict(AdaptiveConfig())
 PHASES = ("width", "depth")
 # Sub-networks have fewer heads than the model's config says, which features built from Q/K/V
 # projections (split by the configured head count) would get wrong.
@@ -13,9 +16,13 @@ UNSUPPORTED_NEEDS = frozenset({"qkv", "attention_scores"})
 
 
 def adaptive_of(stage_cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """The stage's adaptive settings when it is a DynaBERT phase, else None."""
+    """The stage's adaptive settings when it is a DynaBERT phase, else None; a block given without
+    the typed schema (``+objective.stages.0.adaptive.phase=width`` on another objective) gets the
+    schema's defaults."""
     a = stage_cfg.get("adaptive") or {}
-    return a if a.get("phase") else None
+    if not a.get("phase"):
+        return None
+    return a if DEFAULTS.keys() <= a.keys() else {**DEFAULTS, **a}
 
 
 def without_default_adaptive(stage: dict[str, Any]) -> dict[str, Any]:
@@ -30,6 +37,9 @@ def check_adaptive(stage_cfg: dict[str, Any], terms: list[Any], where: str) -> N
     if a is None:
         return
     key = f"{where}.adaptive"
+    unknown = sorted(set(a) - DEFAULTS.keys())
+    if unknown:
+        raise ValueError(f"{key}.{unknown[0]} is not a setting of DynaBERT's adaptive stages ({', '.join(DEFAULTS)})")
     if a["phase"] not in PHASES:
         raise ValueError(f"{key}.phase='{a['phase']}' must be null (an ordinary stage), width (DynaBERT's "
                          "phase 2) or depth (phase 3)")
