@@ -79,9 +79,9 @@ def test_files_are_allocated_not_sparse(tmp_path: Path) -> None:
 
 
 def test_fp16_overflow_runs_the_teacher_live_naming_the_output(tmp_path: Path, monkeypatch) -> None:
-    from kdrun.engine import teacher_store
+    from kdrun.engine import store_build, teacher_store
 
-    real = teacher_store._outputs
+    real = store_build._outputs
 
     def loud(feats, kinds):  # a teacher whose layer-2 hidden state exceeds fp16's range
         out = real(feats, kinds)
@@ -89,7 +89,7 @@ def test_fp16_overflow_runs_the_teacher_live_naming_the_output(tmp_path: Path, m
             out["hidden.2"] = out["hidden.2"] * 1e6
         return out
 
-    monkeypatch.setattr(teacher_store, "_outputs", loud)
+    monkeypatch.setattr(store_build, "_outputs", loud)
     cfg = compose([*TINY, *TOY, *TINYBERT, f"cache_dir={tmp_path / 'cache'}", "teacher.store=on"])
     out = _run(cfg, tmp_path / "run")
     assert "the teacher's hidden.2 reaches" in out and "beyond fp16's range" in out
@@ -98,8 +98,8 @@ def test_fp16_overflow_runs_the_teacher_live_naming_the_output(tmp_path: Path, m
     entries = published(tmp_path / "cache" / "teacher_outputs")
     assert len(entries) == 1 and "hidden.2" not in (entries[0] / "meta.json").read_text()
     with pytest.raises(teacher_store.StoreOverflow):
-        teacher_store._to_numpy(torch.tensor([70000.0]), torch.float16, "x")
-    assert teacher_store._to_numpy(torch.tensor([65504.0]), torch.float16, "x")[0] == 65504
+        store_build._to_numpy(torch.tensor([70000.0]), torch.float16, "x")
+    assert store_build._to_numpy(torch.tensor([65504.0]), torch.float16, "x")[0] == 65504
 
 
 def test_opening_an_entry_checks_sizes_not_checksums(tmp_path: Path, monkeypatch) -> None:

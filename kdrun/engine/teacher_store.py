@@ -49,527 +49,62 @@ Stored outputs equal the live teacher's to the rounding of the store's dtype; wi
 ``teacher.store_dtype=fp32`` they differ from a live forward only by the last bits that a batch's
 padding width changes in the teacher's kernels (the live teacher is not bit-stable across batchings
 either): students trained either way agree to ~1e-6 (tests/test_teacher_store.py).
+
+The key and checks are kdrun.engine.store_keys, the build kdrun.engine.store_build, the reader
+kdrun.engine.store_read; this module decides, per stage, whether the store serves it. Their public
+names are importable from here too.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
+from kdrun.engine.store_build import StoreOverflow, _sync, _Writer, build_store
+from kdrun.engine.store_keys import (
+    DECISIONS,
+    FORMAT_VERSION,
+    FP16_MAX,
+    KIND,
+    STORABLE,
+    STORE_DTYPES,
+    STORE_MODES,
+    RowMap,
+    StoreSettings,
+    _size,
+    code_versions,
+    collator_settings,
+    estimate_bytes,
+    free_bytes,
+    row_ids,
+    row_lengths,
+    store_key,
+    stored_kinds,
+    teacher_config,
+    weights_hash,
+    why_not_storable,
+)
+from kdrun.engine.store_read import (
+    StoreCollator,
+    StoreReader,
+    forward_seconds_per_row,
+    read_seconds_per_row,
+    sample_rows,
+)
 from kdrun.errors import UserError
-from kdrun.models.features import AttentionInputs, Features, capture_of, extract_features
 from kdrun.runtime.cache import (
-    COMPLETE_MARKER,
-    content_hash,
     get_or_build,
     wait_for_entry,
     wait_for_file,
     write_json_atomic,
 )
-from kdrun.runtime.syncs import host_section
-
-KIND = "teacher_outputs"
-STORE_MODES = ("auto", "on", "off")
-STORE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-STORABLE = frozenset({"logits", "hidden_states", "qkv", "attention_scores", "spans"})
-FORMAT_VERSION = 2
-DECISIONS = ".decisions"  # rank 0's per-stage decisions for the other ranks (small JSON files)
-FP16_MAX = 65504.0
-
-
-class StoreOverflow(Exception):
-    """A teacher output does not fit the store's fp16."""
-
-    def __init__(self, name: str, peak: float):
-        super().__init__(name, peak)
-        self.name, self.peak = name, peak
-
-
-def weights_hash(model: torch.nn.Module) -> str:
-    """Content hash of a model's parameters and buffers (names, dtypes, shapes and bytes)."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()[:16]
-
-
-def _arrow_column(ds: Any, name: str) -> Any:
-    """``ds[name]`` as a pyarrow array (selections applied) without building Python lists, or None."""
-    try:
-        return ds.with_format("arrow")[name]
-    except Exception:  # not a datasets.Dataset: fall back to the rows
-        return None
-
-
-def row_lengths(ds: Any) -> np.ndarray:
-    """The rows' token counts (int64, row order), read from the Arrow offsets when the data are Arrow."""
-    col = _arrow_column(ds, "input_ids")
-    if col is not None:
-        import pyarrow.compute as pc
-
-        return np.asarray(pc.list_value_length(col).to_numpy(zero_copy_only=False), dtype=np.int64)
-    return np.fromiter(map(len, ds["input_ids"]), dtype=np.int64, count=len(ds))
-
-
-def row_ids(ds: Any) -> np.ndarray:
-    """The rows' ``idx`` (int64, row order): what a batch names its rows by."""
-    if "idx" not in ds.column_names:
-        raise UserError("the teacher store needs an 'idx' column in the training data (a unique id per row); "
-                        "the task kind's data has none: add one, or set teacher.store=off")
-    col = _arrow_column(ds, "idx")
-    return np.asarray(col.to_numpy() if col is not None else ds["idx"], dtype=np.int64).reshape(-1)
-
-
-class RowMap:
-    """``idx`` -> row position in an entry (identity when the ids are 0..N-1)."""
-
-    def __init__(self, ids: np.ndarray):
-        self.n = len(ids)
-        self.identity = bool(np.array_equal(ids, np.arange(self.n)))
-        if not self.identity:
-            self.order = np.argsort(ids, kind="stable")
-            self.sorted = ids[self.order]
-            dup = np.flatnonzero(self.sorted[1:] == self.sorted[:-1])
-            if len(dup):
-                raise UserError(f"the training data's idx column repeats {int(self.sorted[dup[0]])}; the teacher "
-                                "store finds rows by idx, which must be unique (fix the task kind's idx, or "
-                                "teacher.store=off)")
-
-    def positions(self, idx: np.ndarray) -> np.ndarray:
-        idx = np.asarray(idx, dtype=np.int64)
-        if self.identity:
-            if len(idx) and (idx.min() < 0 or idx.max() >= self.n):
-                raise KeyError(f"row idx {int(idx.max())} is not in the teacher store's {self.n} rows")
-            return idx
-        pos = np.minimum(np.searchsorted(self.sorted, idx), self.n - 1)
-        found = self.sorted[pos] == idx
-        if not found.all():
-            raise KeyError(f"row idx {int(idx[~found][0])} is not in the teacher store's {self.n} rows")
-        return self.order[pos]
-
-
-def stored_kinds(needs: frozenset[str]) -> list[str]:
-    """The outputs an entry keeps for a stage's teacher needs."""
-    kinds = ["logits"] if "logits" in needs else []
-    if "hidden_states" in needs:
-        kinds.append("hidden_states")
-    if needs & {"qkv", "attention_scores"}:
-        kinds.append("qkv")
-    return kinds
-
-
-def why_not_storable(needs: frozenset[str], teacher: torch.nn.Module, strategy: Any = None) -> str | None:
-    """Why a stage's teacher outputs cannot come from the store, or None when they can (``strategy``:
-    the stage's strategy, kdrun/engine/strategies.py, or None)."""
-    if strategy is not None and strategy.teacher_live:
-        return strategy.teacher_live
-    extra = sorted(needs - STORABLE)
-    if extra:
-        return f"the stage reads {', '.join(extra)}, which the store does not keep"
-    if needs & {"qkv", "attention_scores"}:
-        from kdrun.models.adaptors import Adaptor, get_adaptor
-
-        if type(get_adaptor(teacher)).score_bias is not Adaptor.score_bias:
-            return "the teacher's family adds a position bias to its attention scores"
-    return None
-
-
-# ------------------------------------------------------------------------------------------ build
-
-def _outputs(feats: Features, kinds: list[str]) -> dict[str, torch.Tensor]:
-    """The named arrays of one batch: per-token (B, n, w) or per-example (B, w) (class logits)."""
-    out: dict[str, torch.Tensor] = {}
-    if "logits" in kinds and feats.logits is not None:
-        out["logits"] = feats.logits
-    if "hidden_states" in kinds:
-        out.update({f"hidden.{i}": h for i, h in enumerate(feats.hidden_states)})
-    if "qkv" in kinds:
-        rec = feats.qkv()
-        for layer in range(1, rec.num_layers + 1):
-            out.update({f"{w}.{layer}": rec.projection(w, layer) for w in ("q", "k", "v")})
-    return out
-
-
-def _to_numpy(x: torch.Tensor, dtype: torch.dtype, name: str = "") -> np.ndarray:
-    y = x.detach().to("cpu", dtype)
-    if dtype == torch.float16 and not bool(torch.isfinite(y).all()):
-        raise StoreOverflow(name, float(x.detach().float().abs().nan_to_num(posinf=float("inf")).max()))
-    return (y.view(torch.int16) if dtype == torch.bfloat16 else y).numpy()
-
-
-def _allocate(path: Path) -> None:
-    """Give a (sparse) file all its blocks now, so a full disk fails here with ENOSPC, not later as a
-    SIGBUS on a memory-mapped write; file systems without fallocate keep the sparse file."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)):
-            raise
-    finally:
-        os.close(fd)
-
-
-class _Writer:
-    """Fills memory-mapped arrays in a staging directory, one teacher batch at a time."""
-
-    def __init__(self, tmp: Path, offsets: np.ndarray, rows: RowMap, dtype: torch.dtype):
-        self.tmp, self.offsets, self.rows, self.dtype = tmp, offsets, rows, dtype
-        self.arrays: dict[str, np.ndarray] = {}
-        self.per_token: dict[str, bool] = {}
-
-    def _array(self, name: str, per_token: bool, width: int) -> np.ndarray:
-        if name not in self.arrays:
-            rows = int(self.offsets[-1]) if per_token else len(self.offsets) - 1
-            np_dtype = np.int16 if self.dtype == torch.bfloat16 else torch.empty(0, dtype=self.dtype).numpy().dtype
-            path = self.tmp / f"{name}.npy"
-            arr = np.lib.format.open_memmap(path, mode="w+", dtype=np_dtype, shape=(rows, width))
-            _allocate(path)
-            self.arrays[name], self.per_token[name] = arr, per_token
-        return self.arrays[name]
-
-    def add(self, idx: np.ndarray, mask: torch.Tensor, outputs: dict[str, torch.Tensor]) -> None:
-        """Write a batch's outputs for the rows named ``idx``. The rows must be right-padded (a row's
-        tokens first): the per-token outputs are taken at ``mask``'s ones, in order."""
-        valid = mask.bool().cpu()
-        lengths = valid.sum(1).numpy()
-        pos = self.rows.positions(idx)
-        want = self.offsets[pos + 1] - self.offsets[pos]
-        right = torch.arange(valid.shape[1])[None, :] < torch.from_numpy(lengths)[:, None]
-        if not np.array_equal(lengths, want) or not torch.equal(right, valid):
-            raise RuntimeError("the teacher store reads right-padded batches whose masks count each row's tokens; "
-                               "this collator pads otherwise")
-        rows = np.concatenate([np.arange(self.offsets[i], self.offsets[i] + n) for i, n in zip(pos, lengths)])
-        for name, x in outputs.items():
-            per_token = x.dim() == 3
-            arr = self._array(name, per_token, x.shape[-1])
-            arr[rows if per_token else pos] = _to_numpy(x[valid] if per_token else x, self.dtype, name)
-
-    def close(self) -> dict[str, Any]:
-        for arr in self.arrays.values():
-            arr.flush()
-        return {n: {"per_token": self.per_token[n], "width": int(a.shape[1])} for n, a in self.arrays.items()}
-
-
-def estimate_bytes(teacher: torch.nn.Module, kinds: list[str], tokens: int, rows: int, dtype: torch.dtype,
-                   num_labels: int) -> int:
-    """The entry's size before it is built (per token: hidden states of every layer, Q/K/V of every
-    transformer layer; per example or token: the logits)."""
-    cfg = getattr(teacher, "config", None)
-    layers, width = int(cfg.num_hidden_layers), int(cfg.hidden_size)
-    per_token = (layers + 1) * width * ("hidden_states" in kinds) + 3 * layers * width * ("qkv" in kinds)
-    item = torch.empty(0, dtype=dtype).element_size()
-    return item * (tokens * per_token + rows * max(1, num_labels) * 2) + 8 * (2 * rows + 1)
-
-
-def free_bytes(path: Path) -> int:
-    """Free bytes on ``path``'s file system."""
-    return shutil.disk_usage(path).free
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def build_store(tmp: Path, teacher: torch.nn.Module, ds: Any, lengths: np.ndarray, collator: Any,
-                needs: frozenset[str], batch_size: int, accelerator: Any, dtype: torch.dtype,
-                ids: np.ndarray | None = None) -> None:
-    """One pass of the frozen teacher over ``ds`` (``lengths``: its rows' token counts, ``ids``: their
-    ``idx``, row order), its outputs written unpadded to ``tmp``. ``meta.json`` records the teacher's
-    own forward time per row (synchronised, without the host copies and writes)."""
-    from tqdm.auto import tqdm
-
-    from kdrun.tasks.data.pipeline import make_loader
-
-    ids = row_ids(ds) if ids is None else ids
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    np.save(tmp / "offsets.npy", offsets)
-    np.save(tmp / "ids.npy", ids)
-    writer, kinds = _Writer(tmp, offsets, RowMap(ids), dtype), stored_kinds(needs)
-    loader, _ = make_loader(ds, batch_size, collator, seed=0, train=False)
-    teacher_needs = frozenset({*kinds, "logits"})
-    device = accelerator.device
-    t0, forward, batches = time.perf_counter(), 0.0, 0
-    with host_section(), torch.inference_mode():
-        for batch in tqdm(loader, desc="teacher store", leave=False, mininterval=2.0, dynamic_ncols=True):
-            idx = batch["idx"].numpy()
-            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            _sync(device)
-            t = time.perf_counter()
-            with accelerator.autocast():
-                feats = extract_features(teacher, batch, teacher_needs)
-            outputs = _outputs(feats, kinds)
-            _sync(device)
-            forward += time.perf_counter() - t
-            writer.add(idx, batch["attention_mask"], outputs)
-            batches += 1
-    arrays = writer.close()
-    heads, scaling = capture_of(teacher).meta if "qkv" in kinds else (None, None)
-    meta = {"version": FORMAT_VERSION, "kinds": kinds, "arrays": arrays, "rows": len(lengths),
-            "tokens": int(offsets[-1]), "dtype": str(dtype).removeprefix("torch."), "heads": heads,
-            "scaling": scaling, "num_layers": int(teacher.config.num_hidden_layers),
-            "forward_seconds_per_row": forward / max(1, len(lengths)),
-            "build_seconds": time.perf_counter() - t0, "batches": batches}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-
-
-# ------------------------------------------------------------------------------------------- read
-
-class StoreReader:
-    """Gathers a batch's rows from an entry (memory-mapped) and pads them to the batch's width.
-
-    Used inside the training loader's collation (:class:`StoreCollator`), so the reads happen on
-    the host with the rest of a batch's assembly (in loader workers when there are any). Pickles
-    without its arrays: each process maps the files itself. The opening process holds a shared
-    lock on the entry's manifest while the reader lives (``kdrun-cache gc`` skips entries in use).
-    """
-
-    def __init__(self, entry: Path, hold: bool = False):
-        self.entry = Path(entry)
-        self.meta = json.loads((self.entry / "meta.json").read_text())
-        self._arrays: dict[str, np.ndarray] | None = None
-        self._rows: RowMap | None = None
-        self._hold: int | None = None
-        if hold:
-            self.hold()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"entry": self.entry, "meta": self.meta, "_arrays": None, "_rows": None, "_hold": None}
-
-    def hold(self) -> bool:
-        """Take a shared lock on the manifest; False when the entry was evicted meanwhile."""
-        import fcntl
-
-        fd = os.open(self.entry / COMPLETE_MARKER, os.O_RDONLY)
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        try:
-            same = os.fstat(fd).st_ino == os.stat(self.entry / COMPLETE_MARKER).st_ino
-        except OSError:
-            same = False
-        if not same:
-            os.close(fd)
-            return False
-        self._hold = fd
-        return True
-
-    def __del__(self) -> None:
-        if getattr(self, "_hold", None) is not None:
-            os.close(self._hold)
-            self._hold = None
-
-    @property
-    def arrays(self) -> dict[str, np.ndarray]:
-        if self._arrays is None:
-            names = ("offsets", *self.meta["arrays"])
-            self._arrays = {n: np.load(self.entry / f"{n}.npy", mmap_mode="r") for n in names}
-        return self._arrays
-
-    @property
-    def rows(self) -> RowMap:
-        if self._rows is None:
-            ids_file = self.entry / "ids.npy"
-            n = len(self.arrays["offsets"]) - 1
-            self._rows = RowMap(np.load(ids_file) if ids_file.exists() else np.arange(n))
-        return self._rows
-
-    def _tensor(self, x: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(x))
-        return t.view(torch.bfloat16) if self.meta["dtype"] == "bfloat16" else t
-
-    def gather(self, idx: np.ndarray, width: int) -> dict[str, torch.Tensor]:
-        """``{"teacher/<name>": tensor}`` for the rows named ``idx``: per-token arrays as (B, width, w),
-        zero past each row's length (right padding); per-example arrays as (B, w)."""
-        offsets = self.arrays["offsets"]
-        pos = self.rows.positions(idx)
-        starts, lengths = offsets[pos], offsets[pos + 1] - offsets[pos]
-        valid = np.arange(width)[None, :] < lengths[:, None]
-        flat = (starts[:, None] + np.arange(width)[None, :])[valid]
-        mask = torch.from_numpy(valid)
-        out = {}
-        for name, info in self.meta["arrays"].items():
-            arr = self.arrays[name]
-            if not info["per_token"]:
-                out[f"teacher/{name}"] = self._tensor(arr[pos])
-                continue
-            rows = self._tensor(arr[flat])
-            full = rows.new_zeros((len(pos), width, info["width"]))
-            full[mask] = rows
-            out[f"teacher/{name}"] = full
-        return out
-
-    def features(self, batch: dict[str, Any], needs: frozenset[str]) -> Features:
-        """The teacher's features for a batch whose ``teacher/*`` tensors are on the device (fp32)."""
-        get = lambda name: batch[f"teacher/{name}"].float()  # noqa: E731
-        L = self.meta["num_layers"]
-        hidden = tuple(get(f"hidden.{i}") for i in range(L + 1)) if "hidden_states" in needs else None
-        extra = {}
-        if needs & {"qkv", "attention_scores"}:
-            q, k, v = ([get(f"{w}.{i}") for i in range(1, L + 1)] for w in ("q", "k", "v"))
-            extra["attention_inputs"] = AttentionInputs(q, k, v, self.meta["heads"], self.meta["scaling"])
-        logits = get("logits") if "teacher/logits" in batch else None
-        return Features(logits=logits, attention_mask=batch["attention_mask"], hidden_states=hidden,
-                        spans=batch.get("spans") if "spans" in needs else None, extra=extra)
-
-
-class StoreCollator:
-    """The training collator, plus the batch's stored teacher outputs (gathered by ``idx``)."""
-
-    def __init__(self, base: Any, reader: StoreReader):
-        self.base, self.reader = base, reader
-
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        batch = self.base(rows)
-        mask = batch["attention_mask"]
-        if mask.shape[1] and bool((mask[:, 0] == 0).any()):
-            raise RuntimeError("the teacher store reads right-padded batches; this collator pads on the left")
-        batch.update(self.reader.gather(batch["idx"].numpy(), mask.shape[1]))
-        return batch
-
-
-# ------------------------------------------------------------------------------------- the stage
-
-@dataclass
-class StoreSettings:
-    """What the trainer needs to open a stage's store: ``teacher.store``/``store_dtype``/
-    ``store_max_gb``, the cache root and the parts of the key the trainer cannot see."""
-
-    mode: str = "off"
-    dtype: str = "fp16"
-    max_gb: float = 8.0
-    cache_dir: str | None = None
-    # the data's content key, tokenizer hash, max length, teacher dtype, task kind, augmentation key
-    key: dict[str, Any] | None = None
-    # how long a rank waits for rank 0's decision (seconds; cache_wait_timeout_s)
-    wait_timeout_s: float = 12 * 3600.0
-    _weights: str | None = None
-
-    def weights(self, teacher: torch.nn.Module) -> str:
-        if self._weights is None:
-            self._weights = weights_hash(teacher)
-        return self._weights
-
-
-def _size(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def teacher_config(teacher: torch.nn.Module) -> dict[str, Any]:
-    """The teacher's full config (every field, defaults included) without where it was loaded from."""
-    cfg = getattr(teacher, "config", None)
-    if cfg is None:
-        return {}
-    d = cfg.to_dict()
-    for k in ("_name_or_path", "transformers_version"):  # the path is not content; versions are keyed apart
-        d.pop(k, None)
-    return d
-
-
-def collator_settings(collator: Any) -> dict[str, Any]:
-    """The collator's class and plain settings (a corpus's masking seed and probability, pad id, ...)."""
-    plain = (bool, int, float, str, type(None))
-    return {"class": f"{type(collator).__module__}.{type(collator).__qualname__}",
-            **{k: v for k, v in sorted(vars(collator).items()) if isinstance(v, plain)}}
-
-
-def code_versions() -> dict[str, str]:
-    """The libraries and kdrun code that shape stored outputs: torch, transformers, numpy, and a hash
-    of kdrun's feature capture (features, adaptors)."""
-    import transformers
-
-    from kdrun.models import adaptors, features
-
-    h = hashlib.sha256()
-    for mod in (features, adaptors):
-        h.update(Path(mod.__file__).read_bytes())
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "numpy": np.__version__,
-            "capture": h.hexdigest()[:16]}
-
-
-def _array_hash(*arrays: np.ndarray) -> str:
-    h = hashlib.sha256()
-    for a in arrays:
-        h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
-    return h.hexdigest()[:16]
-
-
-def store_key(settings: StoreSettings, teacher: torch.nn.Module, collator: Any, ids: np.ndarray,
-              lengths: np.ndarray, kinds: list[str], precision: str, data: str = "original") -> str:
-    """The entry's key (see the module's docstring): no token is read."""
-    given = {k: v for k, v in (settings.key or {}).items() if data == "augmented" or k != "augmentation"}
-    return content_hash({"version": FORMAT_VERSION, "teacher": settings.weights(teacher),
-                         "teacher_config": teacher_config(teacher), "rows": _array_hash(ids, lengths),
-                         "collator": collator_settings(collator), "data": data, "versions": code_versions(),
-                         "kinds": kinds, "dtype": settings.dtype, "precision": precision, **given})
-
-
-def _drop_page_cache(entry: Path) -> bool:
-    """Ask the kernel to drop an entry's clean pages (a cold read, as a run's first epoch sees it)."""
-    if not hasattr(os, "posix_fadvise"):
-        return False
-    for p in entry.glob("*.npy"):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return True
-
-
-def sample_rows(reader: StoreReader, batch_size: int) -> list[np.ndarray]:
-    """A few batches of random rows (their idx), the same for both sides of :func:`read_is_faster`."""
-    ids = np.load(reader.entry / "ids.npy") if (reader.entry / "ids.npy").exists() else np.arange(reader.meta["rows"])
-    take = np.random.default_rng(0).permutation(len(ids))[: min(len(ids), 4 * batch_size)]
-    return [ids[np.sort(c)] for c in np.array_split(take, max(1, len(take) // batch_size))]
-
-
-def read_seconds_per_row(reader: StoreReader, batches: list[np.ndarray], device: torch.device) -> float:
-    """The reader's whole path per row: gather (cold page cache where the kernel allows), pin (CUDA),
-    copy to ``device``, cast to fp32."""
-    offsets = reader.arrays["offsets"]
-    _drop_page_cache(reader.entry)
-    t0, rows = time.perf_counter(), 0
-    for idx in batches:
-        pos = reader.rows.positions(idx)
-        width = int((offsets[pos + 1] - offsets[pos]).max())
-        out = reader.gather(idx, width)
-        for t in out.values():
-            if device.type == "cuda":
-                t = t.pin_memory()
-            t.to(device, non_blocking=device.type == "cuda").float()
-        rows += len(idx)
-    _sync(device)
-    return (time.perf_counter() - t0) / max(1, rows)
-
-
-def forward_seconds_per_row(parts: Any, ds: Any, batches: list[np.ndarray], needs: frozenset[str]) -> float:
-    """The live teacher's forward time per row on the same rows (as a training step runs it)."""
-    ids = row_ids(ds)
-    rows = RowMap(ids)
-    acc, total, n = parts.accelerator, 0.0, 0
-    with torch.no_grad():
-        for idx in batches:
-            batch = parts.collator([ds[int(i)] for i in rows.positions(idx)])
-            batch = {k: v.to(acc.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            _sync(acc.device)
-            t = time.perf_counter()
-            with acc.autocast():
-                extract_features(parts.teacher, batch, needs)
-            _sync(acc.device)
-            total, n = total + time.perf_counter() - t, n + len(idx)
-    return total / max(1, n)
 
 
 @dataclass
@@ -786,3 +321,12 @@ def _open_decided(st: _Stage, key: str) -> StoreReader:
             return reader
     raise UserError(f"the teacher store entry {key} in cache_dir={settings.cache_dir} keeps disappearing "
                     "(is a kdrun-cache gc with a tiny --max-size running?)")
+
+
+__all__ = [
+    "KIND", "STORE_MODES", "STORE_DTYPES", "STORABLE", "FORMAT_VERSION", "DECISIONS", "FP16_MAX", "RowMap",
+    "StoreSettings", "StoreOverflow", "StoreReader", "StoreCollator", "weights_hash", "row_lengths", "row_ids",
+    "stored_kinds", "why_not_storable", "estimate_bytes", "free_bytes", "teacher_config", "collator_settings",
+    "code_versions", "store_key", "build_store", "sample_rows", "read_seconds_per_row", "forward_seconds_per_row",
+    "open_stage_store", "_Writer", "_sync",
+]

@@ -2,6 +2,10 @@
 
 Kept short on purpose. Accelerate gives device placement, mixed precision and gradient
 accumulation; everything objective-specific lives in the loss terms.
+
+The step itself is kdrun.engine.step, evaluation kdrun.engine.evaluation, the meters and the
+non-finite watch kdrun.engine.meters, the DDP wrapper kdrun.engine.ddp; their public names are
+importable from here too.
 """
 
 from __future__ import annotations
@@ -9,13 +13,10 @@ from __future__ import annotations
 import math
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from torch import nn
 from tqdm.auto import tqdm
 
 from kdrun.engine.checkpoints import (
@@ -29,124 +30,32 @@ from kdrun.engine.checkpoints import (
     save_checkpoint,
     seed_everything,
 )
+from kdrun.engine.ddp import ddp_settings, leaves_parameters_unused, wrap_for_stage
+from kdrun.engine.evaluation import LogitTable, _teacher_logit_table, evaluate, main_score, predict, to_device
 from kdrun.engine.grad_shares import grad_share_logs
-from kdrun.engine.objective import Objective, StagePlan
+from kdrun.engine.meters import FiniteWatch, TrainingDiverged, _Meter
+from kdrun.engine.objective import StagePlan
 from kdrun.engine.optim import build_optimizer, build_scheduler, stage_optim
 from kdrun.engine.parts import RunParts
+from kdrun.engine.step import (
+    PlainStep,
+    StageLoop,
+    _is_log_step,
+    backward,
+    ignore_unused_parameters,
+    objective_loss,
+    optimizer_step,
+    teacher_features,
+    train_step,
+)
 from kdrun.engine.strategies import strategy_of
-from kdrun.errors import UserError
-from kdrun.models.features import Features, extract_features, model_inputs, output_logits
 from kdrun.runtime.preemption import Interrupted
 from kdrun.runtime.syncs import host_section
 from kdrun.tasks.data.pipeline import make_loader, resolve_num_workers
 
 
-class TrainingDiverged(UserError, RuntimeError):
-    """A loss became NaN or infinite; the last good checkpoint is kept."""
-
-
 class SimulatedInterrupt(Interrupted):
     """Raised by ``train.stop_after_steps`` to imitate a killed job (testing aid)."""
-
-
-# ----------------------------------------------------------------------------------------- helpers
-
-def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-# -------------------------------------------------------------------------------------- evaluation
-
-@torch.inference_mode()
-def predict(model: nn.Module, data, collator, batch_size: int, accelerator,
-            desc: str = "predict", world_size: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Logits (N, C) and labels (N,) for a tokenised split, in the split's row order.
-
-    With ``world_size`` > 1 every process predicts its slice and the slices are gathered, so all
-    processes return the whole split.
-    """
-    model = accelerator.unwrap_model(model)  # no DDP collectives in evaluation
-    model.eval()
-    rank = accelerator.process_index if world_size > 1 else 0
-    loader, _ = make_loader(data, batch_size, collator, seed=0, train=False, rank=rank, world_size=world_size)
-    logits, labels, order = [], [], []
-    for batch in tqdm(loader, desc=desc, leave=False, disable=not accelerator.is_main_process or len(loader) < 20,
-                      mininterval=2.0, dynamic_ncols=True):
-        batch = to_device(batch, accelerator.device)
-        with accelerator.autocast():
-            out = model(**model_inputs(batch, model))
-        logits.append(output_logits(out).float().cpu())
-        labels.append(batch["labels"].cpu())
-        order.append(batch["idx"].cpu())
-    if world_size > 1:
-        from accelerate.utils import gather_object
-
-        mine = [(torch.cat(order), _cat_logits(logits), torch.cat(labels))] if order else []
-        parts = gather_object(mine)
-        order, logits, labels = [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts]
-    idx = torch.cat(order)
-    perm = torch.argsort(idx)
-    return _cat_logits(logits)[perm].numpy(), torch.cat(labels)[perm].numpy()
-
-
-def _cat_logits(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate batches of logits; per-token (B, n, 2) QA logits of batches padded to different
-    widths are padded with -inf to the widest."""
-    if parts and parts[0].dim() == 3:
-        width = max(p.shape[1] for p in parts)
-        parts = [torch.nn.functional.pad(p, (0, 0, 0, width - p.shape[1]), value=float("-inf")) for p in parts]
-    return torch.cat(parts)
-
-
-def evaluate(parts: RunParts, model: nn.Module, stage: int | None = None) -> dict[str, dict[str, float]]:
-    """Metrics per eval split (``stage``: the stage being trained, for evaluators that depend on it)."""
-    if parts.evaluator is not None:
-        return parts.evaluator(parts, model, stage)
-    results = {}
-    for split, data in parts.eval_data.items():
-        logits, labels = predict(model, data, parts.collator, parts.train_cfg.eval_batch_size, parts.accelerator,
-                                 desc=f"eval {split}", world_size=parts.world_size)
-        metric_fn = parts.metric_fn[split] if isinstance(parts.metric_fn, dict) else parts.metric_fn  # QA: per split
-        results[split] = metric_fn(logits, labels)
-    return results
-
-
-def main_score(parts: RunParts, results: dict[str, dict[str, float]]) -> float:
-    """The selection score, negated for losses (higher is always better here): the main metric of
-    the first eval split, or its sum over ``parts.selection_splits`` when set (MNLI: matched +
-    mismatched)."""
-    from kdrun.errors import ConfigError
-    from kdrun.tasks.kinds import metric_sign
-
-    splits = list(parts.selection_splits or [next(iter(results))])
-    missing = [s for s in splits if s not in results]
-    if missing:
-        raise ConfigError(f"task.selection_splits names {missing}, which are not evaluated; the eval splits are "
-                          f"{list(results)} (task.eval_splits)")
-    return metric_sign(parts.main_metric) * sum(float(results[s][parts.main_metric]) for s in splits)
-
-
-# --------------------------------------------------------------------------------------- the stage
-
-def _average_objective_grads(objective: Objective, world_size: int) -> None:
-    """The objective's own parameters (projections, layer maps) are not inside the student's DDP
-    wrapper, so their gradients are averaged across processes here, in one all-reduce."""
-    grads = [p.grad for p in objective.parameters() if p.grad is not None]
-    if not grads:
-        return
-    import torch.distributed as dist
-
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world_size
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def _is_log_step(stage_step: int, every: int, total_steps: int) -> bool:
-    return stage_step % every == 0 or stage_step == total_steps
 
 
 def _stop_requested(parts: RunParts, at_log_step: bool) -> bool:
@@ -193,149 +102,6 @@ def make_scheduler(plan: StagePlan, train_cfg: Any, optimizer: torch.optim.Optim
     """The stage's schedule (train.scheduler or its own) after warmup_ratio of the stage's steps."""
     return build_scheduler(stage_optim(plan.cfg, train_cfg)[1], optimizer, int(plan.cfg["warmup_ratio"] * total_steps),
                            total_steps)
-
-
-@torch.inference_mode()
-class LogitTable:
-    """Teacher logits for every training row, looked up by the rows' ``idx`` on the device (a row's
-    ``idx`` need not be its position: a corpus subsample keeps the original ones)."""
-
-    def __init__(self, logits: torch.Tensor, ids: torch.Tensor) -> None:
-        self.sorted_ids, order = torch.sort(ids.to(logits.device))
-        self.logits = logits[order]
-
-    def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.logits[torch.searchsorted(self.sorted_ids, idx.to(self.sorted_ids.device))]
-
-
-def _teacher_logit_table(parts: RunParts, plan: StagePlan) -> LogitTable:
-    """Teacher logits for every training row (the data are fixed across epochs)."""
-    parts.teacher.eval()
-    logits, _ = predict(parts.teacher, parts.train_data, parts.collator, parts.train_cfg.eval_batch_size,
-                        parts.accelerator, desc="teacher logits", world_size=parts.world_size)
-    ids = torch.as_tensor(np.asarray(parts.train_data["idx"]), dtype=torch.long)
-    return LogitTable(torch.from_numpy(logits).to(parts.accelerator.device), ids)
-
-
-# ------------------------------------------------------------------------------------ stage setup
-
-@dataclass
-class _Meter:
-    """Loss values (device tensors: no host read per step), throughput and gradient shares since
-    the last log line."""
-
-    sums: dict[str, torch.Tensor] = field(default_factory=dict)
-    batches: int = 0
-    examples: int = 0
-    tokens: int = 0
-    since: float = field(default_factory=time.perf_counter)
-    shares: dict[str, float] = field(default_factory=dict)
-
-    def add(self, values: dict[str, torch.Tensor], loss: torch.Tensor, examples: int, tokens: int) -> None:
-        for k, v in {**values, "loss": loss}.items():
-            v = v.detach().float()
-            self.sums[k] = self.sums[k] + v if k in self.sums else v
-        self.batches += 1
-        self.examples += examples
-        self.tokens += tokens
-
-
-@dataclass
-class FiniteWatch:
-    """Whether a loss or term became NaN/inf, kept on the device and read at logging, evaluation and
-    checkpoint steps (:meth:`check`), so the training step never waits for the host. A checkpoint
-    is never written after a non-finite step: the last one kept is the last good one."""
-
-    keys: list[str] = field(default_factory=list)
-    # The processes training this model together (1: alone, also a teacher fine-tuned by one rank of
-    # a data-parallel run while the others wait: no collective then).
-    world_size: int = 1
-    bad: torch.Tensor | None = None  # (1 + terms,) bool: ever non-finite since the stage began
-    first_step: torch.Tensor | None = None  # step of the first non-finite loss (-1: none)
-    first_values: torch.Tensor | None = None  # the loss and terms at that step
-
-    def add(self, loss: torch.Tensor, values: dict[str, torch.Tensor], step: int) -> None:
-        vec = torch.stack([loss.detach().float(), *(v.detach().float().reshape(()) for v in values.values())])
-        now = ~torch.isfinite(vec)
-        if self.bad is None or len(self.keys) != vec.numel():
-            self.keys = ["total (weighted sum)", *values]
-            self.bad, self.first_values = now, vec
-            self.first_step = torch.full((), -1, dtype=torch.long, device=vec.device)
-        new = now.any() & (self.first_step < 0)
-        self.first_step = torch.where(new, torch.tensor(step), self.first_step)
-        self.first_values = torch.where(new, vec, self.first_values)
-        self.bad = self.bad | now
-
-    def check(self, plan: StagePlan, run_dir: Path) -> None:
-        """Raise :class:`TrainingDiverged` naming the stage, step and terms (a host read). With several
-        processes every rank raises at the same check when any rank saw a non-finite value (the check
-        steps are the same on every rank), so none is left waiting in the next all-reduce."""
-        with host_section():
-            elsewhere = self._agree()
-            if elsewhere is not None:
-                step, rank = elsewhere
-                raise TrainingDiverged(
-                    f"stage '{plan.name}': the loss became non-finite at step {step} on process {rank} (its log "
-                    f"names the terms); every process stops. The last good checkpoint is kept in "
-                    f"{checkpoint_dir(run_dir)}; lower the lr or the term's weight, or check the inputs.")
-            if self.bad is None or not bool(self.bad.any()):
-                return
-            bad = self.bad.tolist()
-            terms = [k for k, b in zip(self.keys[1:], bad[1:]) if b] or [self.keys[0]]
-            shown = {k: float(v) for k, v in zip(self.keys, self.first_values.tolist())}
-            step = int(self.first_step)
-        raise TrainingDiverged(
-            f"stage '{plan.name}': loss term(s) {', '.join(terms)} became non-finite at step {step} "
-            f"(values: {shown}). The last good checkpoint is kept in {checkpoint_dir(run_dir)}; lower the "
-            "lr or the term's weight, or check the inputs.")
-
-
-    def _agree(self) -> tuple[int, int] | None:
-        """Several processes: (first step, lowest rank) of a non-finite value seen on another rank while
-        this one saw none; None when this rank saw one itself, when none did, or with one process."""
-        import torch.distributed as dist
-
-        if self.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
-            return None
-        device = self.bad.device if self.bad is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
-        mine = self.bad is not None and bool(self.bad.any())
-        none = -float(2**62)
-        vec = torch.tensor([-float(self.first_step) if mine else none, -float(dist.get_rank()) if mine else none],
-                           dtype=torch.float64, device=device)
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX)  # max of -x: the first step and the lowest rank
-        if mine or vec[0].item() == none:
-            return None
-        return int(-vec[0].item()), int(-vec[1].item())
-
-
-@dataclass
-class StageLoop:
-    """One stage's training setup (``setup_stage``) and its log totals."""
-
-    plan: StagePlan
-    loader: Any
-    sampler: Any
-    optimizer: Any
-    scheduler: Any
-    batches_per_epoch: int
-    total_steps: int
-    num_epochs: int
-    pbar: Any
-    log_every: int = 10
-    # The teacher's logits for every training row (teacher_logits_only stages, when cached).
-    teacher_table: LogitTable | None = None
-    # The stage's teacher-output store: batches then carry the teacher's outputs (teacher/*).
-    store: Any = None
-    # logger.grad_shares: the parameters per-term gradients are measured on (last micro-batch of a logged step).
-    share_params: list[torch.Tensor] | None = None
-    meter: _Meter = field(default_factory=_Meter)
-    watch: FiniteWatch = field(default_factory=FiniteWatch)
-    # How a micro-batch becomes forward passes: PlainStep, or the step loop of the stage's strategy
-    # (kdrun/engine/strategies.py; e.g. a loop over sub-networks).
-    strategy: Any = None
-    # Several processes: find the parameters the stage leaves unused on its first batch (ddp_settings).
-    probe_unused: bool = False
 
 
 def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from: Path | None) -> StageLoop:
@@ -387,202 +153,6 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
                      share_params=[p for p in parts.student.parameters() if p.requires_grad] if measure else None,
                      probe_unused=probe, watch=FiniteWatch(world_size=parts.world_size))
 
-
-def leaves_parameters_unused(plan: StagePlan, strategy: Any = None) -> bool:
-    """Whether the stage's loss can leave some of the student's parameters without a gradient (DDP
-    must then search for them): unless some term reads the task head's logits (the whole network up
-    to the head is then in the graph), or when the stage's strategy says so (``strategy``: the
-    stage's strategy or None)."""
-    varies = strategy is not None and strategy.leaves_parameters_unused
-    return varies or not any(t.spec.reads_logits for t in plan.terms) or not plan.terms
-
-
-def ddp_settings(plan: StagePlan, strategy: Any, train_cfg: Any) -> tuple[bool, bool]:
-    """(``find_unused_parameters``, ``probe``) of the stage's DDP wrapper.
-
-    ``find_unused_parameters=True`` makes DDP search the autograd graph for parameters without a
-    gradient at every step and read the used-parameter map back to the host (a sync on CUDA). A
-    stage whose loss leaves the same parameters unused at every step (an intermediate-layer stage:
-    the task head is computed but never in the loss) has a static graph: its unused parameters are
-    found once, on the stage's first batch (``probe``, :func:`ignore_unused_parameters`), DDP is
-    told to ignore them and runs without the search. DDP's own ``static_graph`` cannot be used
-    there: it counts every parameter that feeds any output of the forward (the head's logits) as
-    used. A strategy whose steps run several different forward passes (sub-networks) keeps the
-    per-step search. ``train.find_unused_parameters`` forces the search on or off (no probe)."""
-    forced = getattr(train_cfg, "find_unused_parameters", None)
-    if forced is not None:
-        return bool(forced), False
-    if not leaves_parameters_unused(plan, strategy):
-        return False, False
-    return True, not (strategy is not None and strategy.leaves_parameters_unused)
-
-
-def _ddp_ignored(wrapper: Any) -> set[str]:
-    return set(getattr(wrapper, "parameters_to_ignore", None) or ())
-
-
-def _ddp_wrap(parts: RunParts, find_unused: bool, ignore: list[str]) -> None:
-    """(Re)wrap the student in DDP unless the current wrapper has these settings; ``ignore``: names of
-    parameters DDP leaves alone (they get no gradient in this stage)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    if isinstance(parts.student, DDP) and parts.student.find_unused_parameters == find_unused \
-            and _ddp_ignored(parts.student) == set(ignore):
-        return
-    module = parts.accelerator.unwrap_model(parts.student)
-    if isinstance(parts.student, DDP):  # the previous stage's wrapper stops reducing gradients
-        parts.student.reducer._remove_autograd_hooks()
-    module._ddp_params_and_buffers_to_ignore = list(ignore)  # what DDP reads (a later stage: none)
-    for name, p in module.named_parameters():
-        p._ddp_ignored = name in ignore
-    cuda = parts.accelerator.device.type == "cuda"
-    parts.student = DDP(module, device_ids=[parts.accelerator.local_process_index] if cuda else None,
-                        find_unused_parameters=find_unused, broadcast_buffers=False)
-
-
-def wrap_for_stage(parts: RunParts, plan: StagePlan, strategy: Any = None) -> bool:
-    """With several processes, (re)wrap the student in DDP with the stage's :func:`ddp_settings`
-    (a new wrapper only when they change). True when the stage's first batch should find the
-    unused parameters (:func:`ignore_unused_parameters`)."""
-    if parts.world_size <= 1:
-        return False
-    find_unused, probe = ddp_settings(plan, strategy, parts.train_cfg)
-    _ddp_wrap(parts, find_unused, [])
-    return probe
-
-
-def ignore_unused_parameters(parts: RunParts, loop: StageLoop, batch: dict[str, Any], state: TrainState) -> list[str]:
-    """Find the student's parameters the stage's loss does not reach (differentiating the loss of
-    ``batch`` once, random state forked so the run's dropout masks are untouched), agree on them
-    across processes (unused on every one) and rewrap the student in DDP ignoring them, without the
-    per-step search. Returns their names."""
-    from kdrun.models.features import extract_features as features_of
-
-    acc, plan = parts.accelerator, loop.plan
-    module = acc.unwrap_model(parts.student)
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    kept = parts.objective.balance_params
-    parts.objective.balance_params = None  # GradNorm must not take this batch as its S_i(0)
-    devices = [acc.device] if acc.device.type == "cuda" else []
-    try:
-        with host_section(), torch.random.fork_rng(devices=devices, device_type=acc.device.type):
-            with acc.autocast():
-                s_feats = features_of(module, batch, plan.student_needs)
-            t_feats = teacher_features(parts, loop, batch)
-            with torch.autocast(device_type=acc.device.type, enabled=False):
-                loss, _ = parts.objective(plan.index, s_feats, t_feats, batch, step=state.global_step)
-            if not loss.requires_grad:  # nothing is trained through the student: keep the search
-                return []
-            grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
-            used = torch.tensor([float(g is not None) for g in grads], device=acc.device)
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(used, op=dist.ReduceOp.MAX)
-            unused = [n for (n, _), u in zip(named, used.tolist()) if not u]
-    finally:
-        parts.objective.balance_params = kept
-    _ddp_wrap(parts, False, unused)
-    return unused
-
-
-# ------------------------------------------------------------------------------------------ the step
-#
-# One engine for every objective, device and precision. A step is: the stage's strategy runs one
-# or more forward passes (PlainStep: the student once; a stage strategy's loop: e.g. every
-# sub-network) and gives each pass's loss to ``backward``; at an accumulation boundary
-# ``optimizer_step`` averages the objective's gradients across processes, unscales once, clips and
-# steps. Models run under autocast; the objective runs outside it, so every term computes in fp32.
-# Nothing in a step reads a device value on the host: meters and the non-finite check stay on the
-# device and are read at logging, evaluation and checkpoint steps (kdrun.runtime.syncs.host_section).
-
-def teacher_features(parts: RunParts, loop: StageLoop, batch: dict[str, Any]) -> Features | None:
-    """The frozen teacher's features for ``batch`` (from the stage's logit table when cached);
-    under ``no_grad`` (not inference mode), so they join the student's graph without copies."""
-    if not loop.plan.uses_teacher:
-        return None
-    if loop.store is not None:
-        return loop.store.features(batch, loop.plan.teacher_needs)
-    if loop.teacher_table is not None:
-        logits = loop.teacher_table[batch["idx"]]
-        if logits.dim() == 3:  # QA: the table is as wide as the widest window, the batch as its own
-            logits = logits[:, : batch["attention_mask"].shape[1]]
-        return Features(logits=logits, attention_mask=batch["attention_mask"])
-    with torch.no_grad(), parts.accelerator.autocast():
-        return extract_features(parts.teacher, batch, loop.plan.teacher_needs)
-
-
-def objective_loss(parts: RunParts, loop: StageLoop, batch: dict[str, Any], state: TrainState,
-                   s_feats: Features, t_feats: Features | None, layer_pairs=None,
-                   weighted: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The stage's weighted loss (fp32, outside autocast) and its terms' values; recorded by the
-    stage's non-finite watch."""
-    with torch.autocast(device_type=parts.accelerator.device.type, enabled=False):
-        loss, values = parts.objective(loop.plan.index, s_feats, t_feats, batch, step=state.global_step,
-                                       weighted=weighted, layer_pairs=layer_pairs)
-    loop.watch.add(loss, values, state.global_step + 1)
-    return loss, values
-
-
-class PlainStep:
-    """The default strategy: one forward pass of the student per micro-batch."""
-
-    def passes(self, parts: RunParts, loop: StageLoop, batch: dict[str, Any], state: TrainState):
-        """Yield (loss, values) of each forward pass; the engine runs ``backward`` on each loss."""
-        acc = parts.accelerator
-        logged = acc.sync_gradients and _is_log_step(state.stage_step + 1, loop.log_every, loop.total_steps)
-        weighted = {} if loop.share_params and logged else None
-        with acc.autocast():
-            s_feats = extract_features(parts.student, batch, loop.plan.student_needs)
-        t_feats = teacher_features(parts, loop, batch)
-        loss, values = objective_loss(parts, loop, batch, state, s_feats, t_feats, weighted=weighted)
-        if weighted:  # logger.grad_shares: a logging step, where host reads are allowed
-            with host_section():
-                loop.meter.shares = grad_share_logs(weighted, loop.share_params, acc.precision.loss_scale())
-        yield loss, values
-
-    def combine(self, results: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]):
-        return results[0]
-
-
-def backward(parts: RunParts, loss: torch.Tensor) -> None:
-    """Backward of one pass's loss, scaled for fp16 and divided by the accumulation steps."""
-    parts.accelerator.backward(parts.accelerator.precision.scale(loss))
-
-
-def optimizer_step(parts: RunParts, loop: StageLoop) -> None:
-    """At an accumulation boundary: average the objective's gradients across processes, unscale
-    once, clip, step (skipped by the fp16 scaler on inf/NaN gradients), zero the gradients."""
-    prec = parts.accelerator.precision
-    if parts.world_size > 1:
-        _average_objective_grads(parts.objective, parts.world_size)
-    prec.unscale_(loop.optimizer)
-    if parts.train_cfg.max_grad_norm:
-        params = [p for p in (*parts.student.parameters(), *parts.objective.parameters()) if p.grad is not None]
-        torch.nn.utils.clip_grad_norm_(params, parts.train_cfg.max_grad_norm)
-    prec.step(loop.optimizer)
-    loop.optimizer.zero_grad(set_to_none=True)
-
-
-def train_step(parts: RunParts, loop: StageLoop, batch: dict[str, Any],
-               state: TrainState) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One micro-batch: the strategy's forward passes, each with its backward; at an accumulation
-    boundary also the optimizer step. Returns the (detached) loss and the values to log."""
-    acc = parts.accelerator
-    if getattr(loop, "probe_unused", False):  # first batch of the stage: DDP then ignores what it leaves unused
-        loop.probe_unused = False
-        ignore_unused_parameters(parts, loop, batch, state)
-    with acc.accumulate(parts.student):
-        results = []
-        for loss, values in loop.strategy.passes(parts, loop, batch, state):
-            backward(parts, loss)
-            results.append((loss.detach(), values))
-        if acc.sync_gradients:
-            optimizer_step(parts, loop)
-    return loop.strategy.combine(results)
-
-
-# ------------------------------------------------------------------------------------- bookkeeping
 
 def _global_counts(parts: RunParts, examples: int, tokens: int) -> tuple[int, int]:
     """Examples and tokens since the last log line summed over the processes (one all-reduce at a
@@ -699,8 +269,6 @@ def _host_batches(loader):
         yield batch, counts
 
 
-# --------------------------------------------------------------------------------------- the stage
-
 def run_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from: Path | None) -> None:
     """Train one stage from ``state`` (fresh or resumed) to its end, evaluating and checkpointing."""
     loop = setup_stage(parts, plan, state, resume_from)
@@ -739,4 +307,8 @@ __all__ = [
     "RunParts", "TrainState", "TrainingDiverged", "SimulatedInterrupt", "Interrupted", "run_stage", "evaluate",
     "seed_everything", "load_checkpoint_state", "checkpoint_dir", "restore_models", "finalize_best",
     "predict", "grad_share_logs", "make_optimizer", "make_scheduler", "setup_stage", "train_step", "after_step",
+    # from the modules the stage loop is built of (kdrun.engine.step, evaluation, meters, ddp)
+    "to_device", "main_score", "LogitTable", "FiniteWatch", "PlainStep", "StageLoop", "teacher_features",
+    "objective_loss", "backward", "optimizer_step", "ignore_unused_parameters", "leaves_parameters_unused",
+    "ddp_settings", "wrap_for_stage", "evaluate_stage", "finish_stage",
 ]

@@ -37,7 +37,7 @@ def grid(plans: list[Any]) -> tuple[list[float], list[float]] | None:
 
 def evaluate_subnetworks(parts, plans: list[Any]) -> dict[str, Any] | None:
     """Evaluate every sub-network of the trained student on the eval splits (None without adaptive stages)."""
-    from kdrun.engine.trainer import evaluate
+    from kdrun.engine.evaluation import evaluate
 
     g = grid(plans)
     if g is None:

@@ -60,7 +60,7 @@ class AdaptiveStage:
         follows the last one."""
         from torch.nn.parallel import DistributedDataParallel
 
-        from kdrun.engine.trainer import objective_loss, teacher_features
+        from kdrun.engine.step import objective_loss, teacher_features
 
         acc, plan = parts.accelerator, loop.plan
         student = acc.unwrap_model(parts.student)
