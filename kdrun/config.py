@@ -579,16 +579,38 @@ def unregister_stage_options(key: str) -> None:
 
 def schema() -> type:
     """The root schema: :class:`KdrunConfig`, its stages extended by the registered stage options."""
-    if not _STAGE_OPTIONS:
-        return KdrunConfig
+    return _extended()[2] if _STAGE_OPTIONS else KdrunConfig
+
+
+# The extended classes are named in this module (and found again through its __getattr__), so a
+# config that holds them pickles by reference and unpickles in a fresh process: a submitit or SLURM
+# job receives Hydra's config store with them in it.
+_EXTENDED_NAMES = ("ExtendedStageConfig", "ExtendedObjectiveConfig", "ExtendedKdrunConfig")
+_EXTENDED: dict[tuple, tuple[type, type, type]] = {}
+
+
+def _extended() -> tuple[type, type, type]:
     from dataclasses import make_dataclass
 
-    stage = make_dataclass("StageConfig", [(k, Optional[t], None) for k, t in sorted(_STAGE_OPTIONS.items())],
-                           bases=(StageConfig,))
-    objective = make_dataclass("ObjectiveConfig", [("stages", List[stage], field(default_factory=list))],
-                               bases=(ObjectiveConfig,))
-    return make_dataclass("KdrunConfig", [("objective", objective, field(default_factory=objective))],
-                          bases=(KdrunConfig,))
+    key = tuple(sorted((k, id(t)) for k, t in _STAGE_OPTIONS.items()))
+    if key not in _EXTENDED:
+        stage = make_dataclass(_EXTENDED_NAMES[0], [(k, Optional[t], None) for k, t in sorted(_STAGE_OPTIONS.items())],
+                               bases=(StageConfig,))
+        objective = make_dataclass(_EXTENDED_NAMES[1], [("stages", List[stage], field(default_factory=list))],
+                                   bases=(ObjectiveConfig,))
+        root = make_dataclass(_EXTENDED_NAMES[2], [("objective", objective, field(default_factory=objective))],
+                              bases=(KdrunConfig,))
+        for cls in (stage, objective, root):
+            cls.__module__ = __name__
+        _EXTENDED[key] = (stage, objective, root)
+    return _EXTENDED[key]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXTENDED_NAMES:
+        _import_stage_strategies()
+        return _extended()[_EXTENDED_NAMES.index(name)]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _store_schema() -> None:

@@ -87,8 +87,9 @@ def main() -> None:
     args, overrides = ap.parse_known_args()
     if args.steps is None:
         args.steps = 3 if args.fast else 15
+    from kdrun.app.context import load_data, make_parts, start_session
+    from kdrun.app.models import build_student, load_teacher
     from kdrun.app.preflight import preflight
-    from kdrun.app.run import build_student, load_data, load_teacher, make_parts, start_session
     from kdrun.engine.trainer import TrainState, setup_stage
     from kdrun.tasks.data.corpus import corpus_files
 

@@ -26,21 +26,15 @@ def cache(tmp_path_factory) -> Path:
 
 def session_parts(cfg, run_dir: Path):
     """The run's parts (data, cached teacher, student, objective) as kdrun.app.run builds them."""
-    import time
+    from kdrun.app.run import open_run
 
-    from kdrun.app.preflight import preflight
-    from kdrun.app.run import build_student, load_data, load_teacher, make_parts, make_tracker, start_session
-
-    session = start_session(cfg, run_dir, preflight(cfg), time.perf_counter())
-    data = load_data(session)
-    session.tracker = make_tracker(session)
-    models = build_student(session, data, load_teacher(session, data))
-    return session, make_parts(session, data, models)
+    session, _, _, parts = open_run(cfg, run_dir)
+    return session, parts
 
 
 def steps_in(parts, plans, precision: str) -> list[float]:
     """STEPS optimizer steps of every stage from the parts' current weights, in ``precision``."""
-    from kdrun.app.run import cast_teacher
+    from kdrun.app.models import cast_teacher
     from kdrun.engine.checkpoints import TrainState
     from kdrun.engine.trainer import setup_stage, train_step
     from kdrun.runtime.precision import Precision

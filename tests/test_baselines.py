@@ -81,7 +81,7 @@ def _summary(teacher: float, student: float, baseline: dict | None) -> dict:
 
 
 def test_printed_table_has_the_baseline_and_warns_near_it(capsys) -> None:
-    from kdrun.app.run import _print_table
+    from kdrun.report.summary import print_summary as _print_table
 
     base = constant_baseline(["accuracy"], False, [0, 0, 1], {"validation": [0] * 32 + [1] * 32})
     summary = _summary(0.9, 0.6, base)

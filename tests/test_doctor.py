@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdrun.app import doctor
+from kdrun.app import doctor, doctor_steps
 from tests.conftest import REPO
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -101,15 +101,16 @@ def test_exit_status_is_one_when_a_check_fails(tmp_path: Path, monkeypatch) -> N
 
 
 def test_judge_applies_the_tolerance_and_finiteness() -> None:
-    ref = [doctor.StepResult(1.0, True, True, 1.0, 0)]
-    assert doctor.judge("bf16", [doctor.StepResult(1.04, True, True, 1.0, 0)], ref)[0]
-    assert doctor.judge("bf16", [doctor.StepResult(1.2, True, True, 1.0, 0)], ref)[:1] == (False,)
-    assert doctor.judge("fp16", [doctor.StepResult(1.0, True, False, math.inf, 8)], ref)[2] == "non-finite gradients"
-    assert doctor.judge("no", [doctor.StepResult(math.nan, False, True, 1.0, 0)], ref)[2] == "non-finite loss"
+    ref = [doctor_steps.StepResult(1.0, True, True, 1.0, 0)]
+    assert doctor_steps.judge("bf16", [doctor_steps.StepResult(1.04, True, True, 1.0, 0)], ref)[0]
+    assert doctor_steps.judge("bf16", [doctor_steps.StepResult(1.2, True, True, 1.0, 0)], ref)[:1] == (False,)
+    step = doctor_steps.StepResult
+    assert doctor_steps.judge("fp16", [step(1.0, True, False, math.inf, 8)], ref)[2] == "non-finite gradients"
+    assert doctor_steps.judge("no", [step(math.nan, False, True, 1.0, 0)], ref)[2] == "non-finite loss"
 
 
 def test_fixed_batch_spans_stay_inside_each_row() -> None:
-    b = doctor.fixed_batch(4, 16, 100)
+    b = doctor_steps.fixed_batch(4, 16, 100)
     lengths = b["attention_mask"].sum(1)
     real = b["spans"][..., 0] >= 0
     assert (real.sum(1) >= 3).all()  # MGSKD's span level needs 3 spans per example

@@ -162,3 +162,24 @@ def test_cfg_job_prints_no_strategy_block_for_ordinary_stages() -> None:
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "phase:" not in r.stdout and "widths:" not in r.stdout
+
+
+def test_the_extended_schema_unpickles_in_a_fresh_process(tmp_path) -> None:
+    """Launchers (submitit, SLURM) send Hydra's config store and the composed config to a fresh
+    process: the schema extended by the strategies' blocks must unpickle there (it once failed
+    with 'object_type=None' in every job)."""
+    import pickle
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, compose
+
+    cfg = compose(["objective=dynabert"])
+    (tmp_path / "cfg.pkl").write_bytes(pickle.dumps(cfg))
+    code = ("import pickle, sys; cfg = pickle.loads(open(sys.argv[1], 'rb').read()); stage = cfg.objective.stages[0]; "
+            "print(type(stage._metadata.object_type).__name__, stage.adaptive.phase)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cfg.pkl")], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[0] == "type"
+    assert out.stdout.split()[1] == str(cfg.objective.stages[0].adaptive.phase)

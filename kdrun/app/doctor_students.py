@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import io
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -60,15 +59,10 @@ def compose_run(overrides: list[str]):
 
 def build_run(overrides: list[str], run_dir: Path):
     """(session, parts) of a run, through the same phases as ``kdrun.app.run``."""
-    from kdrun.app.preflight import preflight
-    from kdrun.app.run import build_student, load_data, load_teacher, make_parts, make_tracker, start_session
+    from kdrun.app.run import open_run
 
-    cfg = compose_run(overrides)
-    session = start_session(cfg, run_dir, preflight(cfg), time.perf_counter())
-    data = load_data(session)
-    session.tracker = make_tracker(session)
-    models = build_student(session, data, load_teacher(session, data))
-    return session, make_parts(session, data, models)
+    session, _, _, parts = open_run(compose_run(overrides), run_dir)
+    return session, parts
 
 
 def first_steps(parts, plan, max_steps: int = 12) -> dict[str, Any]:
