@@ -85,3 +85,17 @@ def run_cfg(cache_dir: Path):
         return compose([*TINY, *(TOY if toy else []), f"cache_dir={cache_dir}", *extra])
 
     return make
+
+
+def slow_test_ids() -> frozenset[str]:
+    """tests/slow.txt: the node ids (without parameters) of the tests the fast loop leaves out."""
+    text = (Path(__file__).parent / "slow.txt").read_text()
+    return frozenset(s for s in (line.split("#")[0].strip() for line in text.splitlines()) if s)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark the tests of tests/slow.txt slow (`python -m pytest -m "not slow"`: the fast loop)."""
+    slow = slow_test_ids()
+    for item in items:
+        if item.nodeid.split("[")[0] in slow:
+            item.add_marker(pytest.mark.slow)
