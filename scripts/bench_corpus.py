@@ -103,7 +103,7 @@ def main() -> None:
         session.tracker = Tracker(Path(tmp), cfg.logger, {}, "bench", enabled=False)
         models = build_student(session, data, load_teacher(session, data))
         parts = make_parts(session, data, models)
-        plan = session.pre["plans"][0]
+        plan = session.pre.plans[0]
         loop = setup_stage(parts, plan, TrainState(), None)
         loop.sampler.set_epoch(0)
         torch.set_grad_enabled(True)

@@ -425,7 +425,7 @@ def length_lines(args: argparse.Namespace, lengths: tuple[int, ...] = (64, 128, 
             cfg = compose(config_name="config", overrides=[f"experiment={RECIPES[args.recipe].experiment}",
                                                            f"task={task}", f"task.data_dir={data_dir}",
                                                            "task.max_train_samples=null"])
-            refs = preflight(cfg)["refs"]
+            refs = preflight(cfg).refs
             tok = load_tokenizer(next(refs[k] for k in ("teacher", "teacher_tokenizer", "student_tokenizer")
                                       if k in refs))
             for split, ds in load_task_data(cfg.task).items():

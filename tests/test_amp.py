@@ -86,9 +86,9 @@ def test_every_objective_steps_under_bf16_and_fp16_autocast_near_fp32(objective:
         parts.accelerator.unwrap_model(parts.student).load_state_dict(init_s)
         parts.objective.load_state_dict(init_o)
         parts.teacher = copy.deepcopy(teacher) if teacher is not None else None
-        got[precision] = steps_in(parts, session.pre["plans"], precision)
+        got[precision] = steps_in(parts, session.pre.plans, precision)
     ref = torch.tensor(got["no"])
-    assert torch.isfinite(ref).all() and len(ref) == STEPS * len(session.pre["plans"])
+    assert torch.isfinite(ref).all() and len(ref) == STEPS * len(session.pre.plans)
     for precision in ("bf16", "fp16"):
         have = torch.tensor(got[precision])
         rel = ((have - ref).abs() / ref.abs().clamp_min(1e-3)).max().item()
@@ -105,7 +105,7 @@ def test_autocast_runs_the_models_in_half_and_the_objective_in_fp32(run_cfg, tmp
 
     session, parts = session_parts(run_cfg("objective=tinybert"), tmp_path / "run")
     parts.accelerator.precision = Precision("bf16", "cpu")
-    plan = session.pre["plans"][0]
+    plan = session.pre.plans[0]
     loop = setup_stage(parts, plan, TrainState(), None)
     batch = next(iter(loop.loader))
     with parts.accelerator.autocast():
@@ -174,7 +174,7 @@ def test_second_stage_fp16_gradients_are_unscaled_once(run_cfg, tmp_path: Path) 
         seen = _grads_at_steps(parts, session, precision)
         train_stages(session, parts)
         runs[precision] = seen
-        assert len(session.pre["plans"]) == 2
+        assert len(session.pre.plans) == 2
     assert len(runs["no"]) == len(runs["fp16"]) > 4
     stage_of = [n for n, _ in runs["no"]]
     compared = 0

@@ -54,5 +54,5 @@ def test_label_stages_are_refused_unless_labels_are_copied(run_cfg, tiny_mlm: st
         preflight(run_cfg("objective=logit", *aug(tiny_mlm)))
     with pytest.raises(ConfigError, match="no stage named"):
         preflight(run_cfg("objective=logit", *aug(tiny_mlm, "augmentation.apply_to=[nope]")))
-    plans = preflight(run_cfg("objective=logit", *aug(tiny_mlm, "augmentation.copy_labels=true")))["plans"]
+    plans = preflight(run_cfg("objective=logit", *aug(tiny_mlm, "augmentation.copy_labels=true"))).plans
     assert [p.cfg["data"] for p in plans] == ["augmented"]

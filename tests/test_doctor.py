@@ -193,6 +193,6 @@ def test_student_kind_steps_move_each_batch_to_the_runs_device(monkeypatch, tmp_
                                                + [f"cache_dir={tmp_path}/cache"], tmp_path / "run")
     monkeypatch.setattr(trainer, "to_device", fake_to_device)
     monkeypatch.setattr(trainer, "train_step", lambda parts, loop, batch, state: seen.append(batch))
-    doctor_students.first_steps(parts, session.pre["plans"][0], max_steps=2)
+    doctor_students.first_steps(parts, session.pre.plans[0], max_steps=2)
     assert seen and all(b.get("placed") for b in seen)
     assert moved == [str(parts.accelerator.device)] * len(seen)

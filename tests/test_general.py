@@ -152,7 +152,7 @@ def test_label_terms_are_refused_on_a_corpus(run_cfg, corpus: Path, tmp_path: Pa
     with pytest.raises(ConfigError, match="task.metrics"):
         preflight(run_cfg(*corpus_args(corpus, "ckd_general"), "task.metrics=[accuracy]", toy=False))
     pre = preflight(run_cfg(*corpus_args(corpus, "mlm_ckd"), toy=False))
-    assert [t.key for t in pre["plans"][0].terms][0] == "mlm_kd"
+    assert [t.key for t in pre.plans[0].terms][0] == "mlm_kd"
 
 
 @pytest.mark.parametrize("objective,twin", [("ckd_general", "ckd"), ("tinybert_general", "tinybert"),

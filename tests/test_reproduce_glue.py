@@ -177,7 +177,7 @@ def _tokenizer(cfg):
     from kdrun.app.preflight import preflight
     from kdrun.models import loading as M
 
-    refs = preflight(cfg)["refs"]
+    refs = preflight(cfg).refs
     return M.load_tokenizer(next(refs[k] for k in ("teacher", "teacher_tokenizer", "student_tokenizer") if k in refs))
 
 

@@ -71,9 +71,9 @@ def test_no_host_sync_inside_the_training_step(objective: str, tmp_path: Path, r
     cfg = run_cfg(*args, "logger.log_every_steps=4", "train.checkpoint_every_steps=4", "logger.grad_shares=true",
                   "train.max_grad_norm=1.0")
     session, parts = session_parts(cfg, tmp_path / "run")
-    for plan in session.pre["plans"]:
+    for plan in session.pre.plans:
         plan.cfg["eval_every_steps"] = 3
-    counter = _stage_steps_under_counter(parts, session.pre["plans"], steps=6)
+    counter = _stage_steps_under_counter(parts, session.pre.plans, steps=6)
     assert counter.count == 0, counter
 
 
@@ -92,7 +92,7 @@ def test_the_counter_sees_a_sync_in_the_step(tmp_path: Path, run_cfg, monkeypatc
         return loss, values
 
     monkeypatch.setattr(O.Objective, "forward", reading)
-    counter = _stage_steps_under_counter(parts, session.pre["plans"], steps=2)
+    counter = _stage_steps_under_counter(parts, session.pre.plans, steps=2)
     assert counter.count >= 2 and all("objective" in where or "test_sync" in where for _, where in counter.events)
 
 
@@ -134,7 +134,7 @@ def test_ddp_ignores_the_parameters_a_stage_leaves_unused_instead_of_searching_e
 
     # the teacher runs live in every run (teacher.store=auto decides from timings)
     session, parts = session_parts(run_cfg("objective=tinybert", "teacher.store=off"), tmp_path / "run")
-    inter, pred = session.pre["plans"]
+    inter, pred = session.pre.plans
     tcfg = parts.train_cfg
     assert ddp_settings(inter, None, tcfg) == (True, True) and ddp_settings(pred, None, tcfg) == (False, False)
     assert ddp_settings(inter, DYNABERT, tcfg) == (True, False)  # DynaBERT's sub-networks

@@ -106,3 +106,17 @@ def test_empty_task_imports_leave_run_identities_as_they_were() -> None:
     base = {"task": {"name": "x", "kind": "classification"}, "train": {"seed": 1}}
     assert run_config_hash({**base, "task": {**base["task"], "imports": []}}) == run_config_hash(base)
     assert run_config_hash({**base, "task": {**base["task"], "imports": ["m"]}}) != run_config_hash(base)
+
+
+def test_preflight_returns_a_typed_plan_with_the_task_kind_resolved_once() -> None:
+    """preflight's result is a RunPlan (attributes, not an untyped dict) holding the task kind, and the
+    run's phases read the kind from it instead of looking it up again."""
+    from kdrun.app.preflight import RunPlan, preflight
+    from kdrun.tasks.kinds import kind_of
+
+    cfg = compose(["experiment=quickstart", "logger=none"])
+    plan = preflight(cfg)
+    assert isinstance(plan, RunPlan) and plan.kind is kind_of(cfg.task)
+    assert [p.name for p in plan.plans] == [s.name for s in cfg.objective.stages] and plan.uses_teacher
+    for path in ("kdrun/app/run.py", "kdrun/app/context.py", "kdrun/app/models.py", "kdrun/app/outputs.py"):
+        assert "kind_of(" not in (REPO / path).read_text(), path

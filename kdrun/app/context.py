@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from kdrun.app.preflight import ConfigError
+from kdrun.app.preflight import ConfigError, RunPlan
 from kdrun.config import without_non_identity
 from kdrun.engine.optim import without_default_optim
 from kdrun.engine.strategies import stage_identity
@@ -74,7 +74,7 @@ class Session:
 
     cfg: DictConfig
     run_dir: Path
-    pre: dict[str, Any]  # preflight's result: plans, model refs, uses_teacher, mapping
+    pre: RunPlan  # preflight's result: plans, model refs, uses_teacher, mapping, the task kind
     accelerator: Any
     resolved: dict[str, Any]
     config_hash: str
@@ -85,7 +85,7 @@ class Session:
 
     def needs(self, role: str) -> frozenset[str]:
         """What the objective's stages read from the student's or the teacher's forward pass."""
-        return frozenset().union(*(getattr(p, f"{role}_needs") for p in self.pre["plans"]))
+        return frozenset().union(*(getattr(p, f"{role}_needs") for p in self.pre.plans))
 
 
 @dataclass
@@ -120,7 +120,7 @@ class Models:
     teacher_arch: dict[str, Any] | None = None  # M.describe of the teacher
 
 
-def start_session(cfg: DictConfig, run_dir: Path, pre: dict[str, Any], t_start: float) -> Session:
+def start_session(cfg: DictConfig, run_dir: Path, pre: RunPlan, t_start: float) -> Session:
     """Seed, build the accelerator and prepare the run directory (start over when resume=false)."""
     from kdrun.runtime.threads import apply_threads
 
@@ -146,10 +146,9 @@ def load_data(session: Session) -> RunData:
     """Load and tokenise the task as its kind does (with the teacher's tokenizer: students share its
     vocabulary)."""
     from kdrun.models import loading as M
-    from kdrun.tasks.kinds import kind_of
 
     t0 = time.perf_counter()
-    cfg, task, refs = session.cfg, session.cfg.task, session.pre["refs"]
+    cfg, task, refs = session.cfg, session.cfg.task, session.pre.refs
     tok_ref = next(refs[k] for k in ("teacher", "teacher_tokenizer", "student", "student_tokenizer") if k in refs)
     tokenizer = M.load_tokenizer(tok_ref)
     tok_hash = M.tokenizer_fingerprint(tokenizer)
@@ -158,9 +157,9 @@ def load_data(session: Session) -> RunData:
         from kdrun.strategies.phrases import span_extractor_for
 
         span_extractor = span_extractor_for(cfg.spans, tokenizer, cfg.cache_dir)
-    kd = kind_of(task).load_data(cfg, tokenizer, tok_hash, session.pre["plans"], span_extractor)
+    kd = session.pre.kind.load_data(cfg, tokenizer, tok_hash, session.pre.plans, span_extractor)
     data = RunData(kd.data_hash, tokenizer, tok_hash, kd.train, kd.eval, kd.collator)
-    if any(p.cfg["data"] == "augmented" for p in session.pre["plans"]):  # evaluation stays on the original dev set
+    if any(p.cfg["data"] == "augmented" for p in session.pre.plans):  # evaluation stays on the original dev set
         data.augmented, data.aug_info = _augmented_data(cfg, kd.raw[task.train_split], tokenizer, tok_hash,
                                                         span_extractor)
     data.seconds = time.perf_counter() - t0
@@ -202,10 +201,8 @@ def make_tracker(session: Session):
 def make_parts(session: Session, data: RunData, models: Models):
     """The trainer's view of the run (the student's train settings, the run's data and tracker)."""
     from kdrun.engine.trainer import RunParts
-    from kdrun.tasks.kinds import kind_of
 
-    cfg, acc = session.cfg, session.accelerator
-    kind = kind_of(cfg.task)
+    cfg, acc, kind = session.cfg, session.accelerator, session.pre.kind
     return RunParts(accelerator=acc, student=models.student, teacher=models.teacher, objective=models.objective,
                     train_data=data.train, eval_data=data.eval, collator=data.collator,
                     metric_fn=kind.metric_fn(cfg.task, data.eval), main_metric=cfg.task.main_metric,

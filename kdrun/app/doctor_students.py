@@ -99,7 +99,7 @@ def step_of(kind: str, precision: str, device: str, tmp: Path, dirs: dict[str, s
                  f"train.precision={label}", f"train.device={device}"]
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         session, parts = build_run(overrides, tmp / f"{kind.split()[0]}-{label}")
-        out = first_steps(parts, session.pre["plans"][0])
+        out = first_steps(parts, session.pre.plans[0])
     return out
 
 

@@ -15,17 +15,16 @@ def load_teacher(session: Session, data: RunData) -> Models:
     from kdrun.engine.trainer import evaluate
     from kdrun.models import loading as M
     from kdrun.runtime.cache import wait_for_entry
-    from kdrun.tasks.kinds import kind_of
 
     t0 = time.perf_counter()
-    cfg, acc, refs = session.cfg, session.accelerator, session.pre["refs"]
-    if not session.pre["uses_teacher"]:
+    cfg, acc, refs = session.cfg, session.accelerator, session.pre.refs
+    if not session.pre.uses_teacher:
         return Models(None, {}, time.perf_counter() - t0)
-    kind = kind_of(cfg.task)
-    tc, num_labels, head = cfg.teacher, cfg.task.num_labels, kind.head(session.pre["plans"], "teacher")
+    kind = session.pre.kind
+    tc, num_labels, head = cfg.teacher, cfg.task.num_labels, kind.head(session.pre.plans, "teacher")
     need_attn = "attentions" in session.needs("teacher")
     if not kind.fine_tunes_teacher:  # e.g. task-agnostic distillation: the pre-trained teacher as it is
-        teacher = acc.prepare_model(kind.pretrained_teacher(cfg, refs.get("teacher"), session.pre["plans"],
+        teacher = acc.prepare_model(kind.pretrained_teacher(cfg, refs.get("teacher"), session.pre.plans,
                                                             data.tokenizer, need_attn), evaluation_mode=True)
         info = {"cached": False, "path": refs.get("teacher"),
                 "source": f"pre-trained, not fine-tuned (task.kind={kind.name})"}
@@ -116,9 +115,9 @@ def build_student(session: Session, data: RunData, models: Models) -> Models:
                 m.p = cfg.student.dropout
     M.set_attn_implementation(student, "attentions" in session.needs("student"))
     teacher = acc.unwrap_model(models.teacher) if models.teacher is not None else None
-    check_features(session.pre["plans"], student, teacher)
+    check_features(session.pre.plans, student, teacher)
     models.student_info = M.describe(student)
-    models.objective = Objective(session.pre["plans"], session.pre["mapping"], cfg.task.num_labels,
+    models.objective = Objective(session.pre.plans, session.pre.mapping, cfg.task.num_labels,
                                  models.student_info, models.teacher_arch, balance=cfg.objective.balance,
                                  balance_alpha=cfg.objective.balance_alpha)
     # Several processes: the trainer wraps the student in DDP per stage (kdrun.engine.trainer.wrap_for_stage).
@@ -130,10 +129,9 @@ def build_student(session: Session, data: RunData, models: Models) -> Models:
 
 def _new_student(session: Session, data: RunData, teacher):
     from kdrun.models import loading as M
-    from kdrun.tasks.kinds import kind_of
 
-    cfg, sc, refs = session.cfg, session.cfg.student, session.pre["refs"]
-    head = kind_of(cfg.task).head(session.pre["plans"], "student")
+    cfg, sc, refs = session.cfg, session.cfg.student, session.pre.refs
+    head = session.pre.kind.head(session.pre.plans, "student")
     if sc.kind == "truncated":
         if sc.source == "teacher":
             if teacher is None:

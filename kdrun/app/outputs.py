@@ -58,7 +58,7 @@ def write_outputs(session: Session, data: RunData, models: Models, parts, state,
     final_metrics = evaluate(parts, models.student)
     from kdrun.engine.strategies import after_run
 
-    added = after_run(parts, session.pre["plans"])  # what the stages' strategies add (e.g. sub-networks' metrics)
+    added = after_run(parts, session.pre.plans)  # what the stages' strategies add (e.g. sub-networks' metrics)
     summary = _summary(session, data, models, state, final_metrics, stages_s)
     for _, entries in added:
         summary.update(entries)
@@ -122,7 +122,7 @@ def _summary(session: Session, data: RunData, models: Models, state, final_metri
              stages_s: float) -> dict[str, Any]:
     from kdrun.tasks.baselines import run_baseline
 
-    cfg, plans = session.cfg, session.pre["plans"]
+    cfg, plans = session.cfg, session.pre.plans
     aug = None
     if data.aug_info:
         aug = {k: v for k, v in data.aug_info.items() if k != "settings"} | {

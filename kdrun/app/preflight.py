@@ -5,6 +5,7 @@ Every error is a ConfigError whose message names the key and what to do.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -16,8 +17,21 @@ from kdrun.models.mapping import MappingSpec
 
 # ------------------------------------------------------------------------------------ validation
 
-def preflight(cfg: DictConfig) -> dict[str, Any]:
-    """Everything that can be checked before loading data or models. Returns resolved model refs."""
+@dataclass(frozen=True)
+class RunPlan:
+    """What preflight settles before any data or model loads: the stages' plans, the resolved model
+    references, whether a teacher is used, the layer mapping and the task kind (resolved once)."""
+
+    plans: list[Any]
+    refs: dict[str, Any]
+    uses_teacher: bool
+    mapping: Any
+    kind: Any
+
+
+def preflight(cfg: DictConfig) -> RunPlan:
+    """Everything that can be checked before loading data or models (each failure a ConfigError
+    naming the key); returns the run's plan."""
     from kdrun.tasks.kinds import kind_of
 
     try:  # unknown loss terms or parameters, bad stage settings (the loss registry raises KeyError)
@@ -61,7 +75,7 @@ def preflight(cfg: DictConfig) -> dict[str, Any]:
     fine_tunes = uses_teacher and not cfg.teacher.checkpoint and kind.fine_tunes_teacher
     _check_optimizers(cfg, plans, fine_tunes_teacher=fine_tunes)
     refs = _resolve_models(cfg, uses_teacher)
-    return {"plans": plans, "refs": refs, "uses_teacher": uses_teacher, "mapping": mapping}
+    return RunPlan(plans=plans, refs=refs, uses_teacher=uses_teacher, mapping=mapping, kind=kind)
 
 
 def _check_weights(plans: list) -> None:

@@ -23,7 +23,7 @@ from kdrun.app.context import (
 )
 from kdrun.app.models import build_student, load_teacher
 from kdrun.app.outputs import count_forwards, write_outputs
-from kdrun.app.preflight import ConfigError, preflight
+from kdrun.app.preflight import ConfigError, RunPlan, preflight
 from kdrun.report.summary import print_summary
 
 __all__ = ["ConfigError", "preflight", "run", "make_accelerator", "run_config_hash", "build_parts", "open_run"]
@@ -81,7 +81,7 @@ def train_stages(session: Session, parts, progress: dict[str, Any] | None = None
     try:
         with PreemptionGuard() as guard:
             parts.guard = guard
-            for plan in session.pre["plans"][state.stage:]:
+            for plan in session.pre.plans[state.stage:]:
                 run_stage(parts, plan, state, resume_from)
                 resume_from = None
     except Interrupted:
@@ -146,7 +146,7 @@ def _locked_run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                 raise
 
 
-def _run(cfg: DictConfig, run_dir: Path, pre: dict[str, Any], progress: dict[str, Any]) -> dict[str, Any]:
+def _run(cfg: DictConfig, run_dir: Path, pre: RunPlan, progress: dict[str, Any]) -> dict[str, Any]:
     t_start = time.perf_counter()
     results_path = run_dir / "results.json"
     if results_path.exists() and cfg.resume:
