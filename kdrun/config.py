@@ -600,8 +600,8 @@ def _extended() -> tuple[type, type, type]:
                                    bases=(ObjectiveConfig,))
         root = make_dataclass(_EXTENDED_NAMES[2], [("objective", objective, field(default_factory=objective))],
                               bases=(KdrunConfig,))
-        for cls in (stage, objective, root):
-            cls.__module__ = __name__
+        for cls, base in zip((stage, objective, root), (StageConfig, ObjectiveConfig, KdrunConfig)):
+            cls.__module__, cls.__name__ = __name__, base.__name__  # messages name the schema as before
         _EXTENDED[key] = (stage, objective, root)
     return _EXTENDED[key]
 

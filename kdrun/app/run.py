@@ -56,34 +56,27 @@ def open_run(cfg: DictConfig, run_dir: Path) -> tuple[Session, RunData, Models, 
 def train_stages(session: Session, parts, progress: dict[str, Any] | None = None) -> tuple[Any, float]:
     """Run the objective's stages in order, resuming from checkpoints/last when present."""
     from kdrun.engine.checkpoints import rewind_metrics_log, seed_for_rank
-    from kdrun.engine.trainer import TrainState, checkpoint_dir, load_checkpoint_state, restore_models, run_stage
-    from kdrun.runtime.preemption import Interrupted, PreemptionGuard
+    from kdrun.engine.trainer import train_resumably
+    from kdrun.runtime.preemption import Interrupted
 
-    t0 = time.perf_counter()
-    run_dir = session.run_dir
-    state = load_checkpoint_state(run_dir, session.config_hash, session.accelerator) if session.cfg.resume else None
-    ckpt = checkpoint_dir(run_dir)
-    if state is not None:
-        restore_models(parts, ckpt)
-        if session.accelerator.is_main_process:
+    t0, run_dir, acc = time.perf_counter(), session.run_dir, session.accelerator
+
+    def resumed(state, ckpt: Path) -> None:
+        if acc.is_main_process:
             rewind_metrics_log(run_dir)
         print(f"[kdrun] resuming at stage {state.stage} step {state.global_step} from {ckpt}")
-    else:
-        state = TrainState()
-        seed_for_rank(session.cfg.train.seed, session.accelerator.process_index)  # per-process dropout
-        if session.accelerator.is_main_process:  # lines a killed attempt logged before any checkpoint
+
+    def fresh() -> None:
+        seed_for_rank(session.cfg.train.seed, acc.process_index)  # per-process dropout
+        if acc.is_main_process:  # lines a killed attempt logged before any checkpoint
             (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    if progress is not None:  # error.json says how far a failed run got
-        progress["state"] = state
-    resume_from = ckpt if state.global_step > 0 or state.stage > 0 else None
+
     if parts.teacher is not None:
         count_forwards(parts.teacher, session.teacher_forwards)
     try:
-        with PreemptionGuard() as guard:
-            parts.guard = guard
-            for plan in session.pre.plans[state.stage:]:
-                run_stage(parts, plan, state, resume_from)
-                resume_from = None
+        state = train_resumably(parts, session.pre.plans, run_dir, session.config_hash, accelerator=acc,
+                                resume=bool(session.cfg.resume), on_resume=resumed, on_fresh=fresh,
+                                progress=progress)
     except Interrupted:
         session.tracker.finish()
         raise

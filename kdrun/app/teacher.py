@@ -255,22 +255,14 @@ def fine_tune_teacher(out: Path, new_model: Callable[[], Any], cfg: Any, acceler
 
 def _train_resumably(parts: Any, plan: StagePlan, out: Path) -> None:
     """Train the teacher's stage, continuing from ``out/checkpoints/last`` when an earlier attempt
-    was interrupted. A signal (preemption, time limit, Ctrl-C) checkpoints at the next step and
-    stops as in the student's stages; ``out`` is the cache entry's resumable staging directory."""
-    from kdrun.engine.trainer import TrainState, checkpoint_dir, load_checkpoint_state, restore_models, run_stage
-    from kdrun.runtime.preemption import PreemptionGuard
+    was interrupted (kdrun.engine.trainer.train_resumably, as the student's stages); ``out`` is the
+    cache entry's resumable staging directory."""
+    from kdrun.engine.trainer import train_resumably
 
-    state, resume_from = load_checkpoint_state(out, "teacher"), None
-    if state is not None:
-        resume_from = checkpoint_dir(out)
-        restore_models(parts, resume_from)
-        print(f"[kdrun] resuming the teacher's fine-tuning at step {state.global_step} from {resume_from}",
-              flush=True)
-    with PreemptionGuard() as guard:
-        parts.guard = guard
-        if state is None or state.stage == 0:
-            run_stage(parts, plan, state or TrainState(), resume_from)
-    parts.guard = None
+    def resumed(state, ckpt: Path) -> None:
+        print(f"[kdrun] resuming the teacher's fine-tuning at step {state.global_step} from {ckpt}", flush=True)
+
+    train_resumably(parts, [plan], out, "teacher", on_resume=resumed)
 
 
 @contextmanager

@@ -14,7 +14,7 @@ import math
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -303,6 +303,40 @@ def run_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from: 
     finish_stage(parts, loop, state)
 
 
+def train_resumably(parts: RunParts, plans: list[StagePlan], directory: Path, identity: str, *,
+                    accelerator: Any = None, resume: bool = True,
+                    on_resume: Callable[[TrainState, Path], None] | None = None,
+                    on_fresh: Callable[[], None] | None = None,
+                    progress: dict[str, Any] | None = None) -> TrainState:
+    """Every stage of ``plans`` in order under a preemption guard, continuing from the checkpoint in
+    ``directory`` (checkpoints/last) when ``resume`` and it belongs to ``identity``; a signal
+    checkpoints at the next step and stops. The student's stages and the teacher's fine-tuning both
+    train through here. ``on_resume`` / ``on_fresh``: the caller's own start (a message, the metrics
+    log, per-process seeds); ``progress["state"]``: how far it got, for error.json."""
+    from kdrun.runtime.preemption import PreemptionGuard
+
+    state = load_checkpoint_state(directory, identity, accelerator) if resume else None
+    ckpt = checkpoint_dir(directory)
+    if state is not None:
+        restore_models(parts, ckpt)
+        if on_resume is not None:
+            on_resume(state, ckpt)
+    else:
+        state = TrainState()
+        if on_fresh is not None:
+            on_fresh()
+    if progress is not None:
+        progress["state"] = state
+    resume_from = ckpt if state.global_step > 0 or state.stage > 0 else None
+    with PreemptionGuard() as guard:
+        parts.guard = guard
+        for plan in plans[state.stage:]:
+            run_stage(parts, plan, state, resume_from)
+            resume_from = None
+    parts.guard = None
+    return state
+
+
 __all__ = [
     "RunParts", "TrainState", "TrainingDiverged", "SimulatedInterrupt", "Interrupted", "run_stage", "evaluate",
     "seed_everything", "load_checkpoint_state", "checkpoint_dir", "restore_models", "finalize_best",
@@ -310,5 +344,5 @@ __all__ = [
     # from the modules the stage loop is built of (kdrun.engine.step, evaluation, meters, ddp)
     "to_device", "main_score", "LogitTable", "FiniteWatch", "PlainStep", "StageLoop", "teacher_features",
     "objective_loss", "backward", "optimizer_step", "ignore_unused_parameters", "leaves_parameters_unused",
-    "ddp_settings", "wrap_for_stage", "evaluate_stage", "finish_stage",
+    "ddp_settings", "wrap_for_stage", "evaluate_stage", "finish_stage", "train_resumably",
 ]
