@@ -130,7 +130,25 @@ def _exit_for(error: Exception, full_traceback: bool) -> None:
         print(str(error), file=sys.stderr)
         if isinstance(error.__cause__, OmegaConfBaseException):
             print(str(error.__cause__), file=sys.stderr)
+        hint = stage_strategy_hint(f"{error} {error.__cause__}")
+        if hint:
+            print(hint, file=sys.stderr)
     sys.exit(2 if user else 1)
+
+
+def stage_strategy_hint(message: str) -> str | None:
+    """What to do when a stage sets a stage strategy's block in an objective that did not choose it."""
+    import re
+
+    from kdrun.config import stage_option_keys
+
+    found = re.search(r"Key '(\w+)' not in 'StageConfig'", message)
+    if not found or found.group(1) not in stage_option_keys():
+        return None
+    key = found.group(1)
+    return (f"kdrun: hint: a stage's '{key}' block belongs to the stage strategy '{key}', which the objective must "
+            f"choose: add '- override /stage_strategy@_global_.stage_strategy: {key}' to its defaults list "
+            f"(conf/objective/dynabert.yaml does), or stage_strategy={key} on the command line")
 
 
 def main() -> None:

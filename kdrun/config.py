@@ -271,18 +271,21 @@ class StageConfig:
     # value into a null typed node; preflight checks its keys.
     optimizer: Any = None
     scheduler: Optional[str] = None
-    # Each registered stage strategy (kdrun/engine/strategies.py) adds its optional block beside
-    # these keys, under the key it owns (register_stage_options); null in a stage that does not use it.
+    # A stage strategy (kdrun/engine/strategies.py) adds its block beside these keys, under the key it
+    # owns, in the stages of objectives that choose it (the group ``stage_strategy``, below).
 
 
 @dataclass
-class ObjectiveConfig:
+class ObjectiveBase:
+    """The objective's settings; its ``stages`` are typed by the config group ``stage_strategy``:
+    :class:`ObjectiveConfig` (option ``none``, plain stages) or a strategy's extension of it."""
+
     name: str = MISSING
     # Shared hyperparameters that loss terms reference with interpolation (${objective.alpha}).
     alpha: float = 0.5
     temperature: float = 1.0
     params: Dict[str, Any] = field(default_factory=dict)
-    stages: List[StageConfig] = field(default_factory=list)
+    stages: Any = MISSING
     # Python modules to import before the stages' loss terms are looked up: loss plug-ins that are
     # not installed under the ``kdrun.losses`` entry-point group (e.g. [my_pkg.my_losses]).
     imports: List[str] = field(default_factory=list)
@@ -290,6 +293,13 @@ class ObjectiveConfig:
     # 2018; balance_alpha is its α) or ``uncertainty`` (Kendall et al., 2018) learn a factor per term.
     balance: Balance = Balance.fixed
     balance_alpha: float = 1.5
+
+
+@dataclass
+class ObjectiveConfig(ObjectiveBase):
+    """An objective with plain stages (``stage_strategy: none``)."""
+
+    stages: List[StageConfig] = field(default_factory=list)
 
 
 @dataclass
@@ -429,7 +439,9 @@ class KdrunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     student: StudentConfig = field(default_factory=StudentConfig)
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    # Typed by the group ``stage_strategy`` (conf/config.yaml): plain stages unless the objective chooses
+    # a stage strategy in its defaults.
+    objective: ObjectiveBase = field(default_factory=ObjectiveBase)
     mapping: MappingConfig = field(default_factory=MappingConfig)
     augmentation: AugmentationConfig = field(default_factory=AugmentationConfig)
     spans: SpansConfig = field(default_factory=SpansConfig)
@@ -563,58 +575,76 @@ _REGISTERED = False
 
 
 def register_stage_options(key: str, options: type) -> None:
-    """Give every stage the optional block ``key``, typed by the dataclass ``options`` (a stage
-    strategy's settings): null unless an objective's YAML or an override sets it, then completed
-    with the dataclass's defaults, a misspelt key refused when the config is composed."""
+    """Add the option ``stage_strategy=<key>`` (config group): the stages of an objective that chooses
+    it (``- override /stage_strategy@_global_.stage_strategy: <key>`` in its defaults) carry the
+    block ``key``, typed by the dataclass ``options`` (a stage strategy's settings): null unless the
+    objective's YAML or an override sets it, then completed with the dataclass's defaults, a
+    misspelt key refused when the config is composed. Other objectives' stages have no such key."""
     _STAGE_OPTIONS[key] = options
     if _REGISTERED:
         _store_schema()
 
 
 def unregister_stage_options(key: str) -> None:
-    """Take the block ``key`` out of the stages again (a test's plug-in strategy)."""
+    """Take the option ``stage_strategy=<key>`` away again (a test's plug-in strategy)."""
     if _STAGE_OPTIONS.pop(key, None) is not None and _REGISTERED:
-        _store_schema()
+        ConfigStore.instance().repo.get(STAGE_STRATEGY_GROUP, {}).pop(f"{key}.yaml", None)
+
+
+def stage_option_keys() -> list[str]:
+    """The stage options of the registered stage strategies (each an option of ``stage_strategy``)."""
+    _import_stage_strategies()
+    return sorted(_STAGE_OPTIONS)
 
 
 def schema() -> type:
-    """The root schema: :class:`KdrunConfig`, its stages extended by the registered stage options."""
-    return _extended()[2] if _STAGE_OPTIONS else KdrunConfig
+    """The root schema (its objective's stages typed by the group ``stage_strategy``)."""
+    return KdrunConfig
+
+
+def objective_schema(key: str | None = None) -> type:
+    """The objective's schema with plain stages (``key`` None), or with stages that carry the
+    registered stage option ``key``."""
+    return ObjectiveConfig if key is None else _extended(key)[1]
 
 
 # The extended classes are named in this module (and found again through its __getattr__), so a
 # config that holds them pickles by reference and unpickles in a fresh process: a submitit or SLURM
 # job receives Hydra's config store with them in it.
-_EXTENDED_NAMES = ("ExtendedStageConfig", "ExtendedObjectiveConfig", "ExtendedKdrunConfig")
-_EXTENDED: dict[tuple, tuple[type, type, type]] = {}
+STAGE_STRATEGY_GROUP = "stage_strategy"
+_EXTENDED_PREFIXES = ("ExtendedStageConfig_", "ExtendedObjectiveConfig_")
+_EXTENDED: dict[tuple[str, int], tuple[type, type]] = {}
 
 
-def _extended() -> tuple[type, type, type]:
+def _extended(key: str) -> tuple[type, type]:
     from dataclasses import make_dataclass
 
-    key = tuple(sorted((k, id(t)) for k, t in _STAGE_OPTIONS.items()))
-    if key not in _EXTENDED:
-        stage = make_dataclass(_EXTENDED_NAMES[0], [(k, Optional[t], None) for k, t in sorted(_STAGE_OPTIONS.items())],
-                               bases=(StageConfig,))
-        objective = make_dataclass(_EXTENDED_NAMES[1], [("stages", List[stage], field(default_factory=list))],
+    options = _STAGE_OPTIONS[key]
+    if (key, id(options)) not in _EXTENDED:
+        stage = make_dataclass(_EXTENDED_PREFIXES[0] + key, [(key, Optional[options], None)], bases=(StageConfig,))
+        objective = make_dataclass(_EXTENDED_PREFIXES[1] + key, [("stages", List[stage], field(default_factory=list))],
                                    bases=(ObjectiveConfig,))
-        root = make_dataclass(_EXTENDED_NAMES[2], [("objective", objective, field(default_factory=objective))],
-                              bases=(KdrunConfig,))
-        for cls, base in zip((stage, objective, root), (StageConfig, ObjectiveConfig, KdrunConfig)):
+        for cls, base in zip((stage, objective), (StageConfig, ObjectiveConfig)):
             cls.__module__, cls.__name__ = __name__, base.__name__  # messages name the schema as before
-        _EXTENDED[key] = (stage, objective, root)
-    return _EXTENDED[key]
+        _EXTENDED[(key, id(options))] = (stage, objective)
+    return _EXTENDED[(key, id(options))]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXTENDED_NAMES:
-        _import_stage_strategies()
-        return _extended()[_EXTENDED_NAMES.index(name)]
+    for i, prefix in enumerate(_EXTENDED_PREFIXES):
+        if name.startswith(prefix):
+            _import_stage_strategies()
+            if name[len(prefix):] in _STAGE_OPTIONS:
+                return _extended(name[len(prefix):])[i]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _store_schema() -> None:
-    ConfigStore.instance().store(name="kdrun_schema", node=schema())
+    cs = ConfigStore.instance()
+    cs.store(name="kdrun_schema", node=schema())
+    cs.store(group=STAGE_STRATEGY_GROUP, name="none", node=objective_schema(), package="objective")
+    for key in _STAGE_OPTIONS:
+        cs.store(group=STAGE_STRATEGY_GROUP, name=key, node=objective_schema(key), package="objective")
 
 
 def _import_stage_strategies() -> None:

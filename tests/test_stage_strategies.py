@@ -97,8 +97,8 @@ def test_dynabert_is_found_through_the_entry_point_group() -> None:
 
 def test_ordinary_stages_carry_no_strategy_block() -> None:
     stage = OmegaConf.to_container(compose(["objective=ckd"]).objective.stages[0], resolve=True)
-    assert stage_identity(stage) == {k: v for k, v in stage.items() if v is not None or k not in stage_strategies()}
-    assert all(stage.get(k) is None for k in stage_strategies())
+    assert not set(stage) & set(stage_strategies())  # no key of any strategy, not even a null one
+    assert stage_identity(stage) == stage
     assert strategy_of(stage) is None
 
 
@@ -107,19 +107,30 @@ def test_a_plugin_strategy_owns_its_stage_option(echo) -> None:
 
     from kdrun.engine.objective import plan_stages
 
-    cfg = compose([*TINY, "objective=logit", echo_stage("{on: true, times: 2}")])
+    cfg = compose([*TINY, "objective=logit", "stage_strategy=echo", echo_stage("{on: true, times: 2}")])
     assert cfg.objective.stages[0].echo.times == 2
     plans = plan_stages(cfg.objective)
     assert strategy_of(plans[0].cfg) is echo
     with pytest.raises(ConfigCompositionException, match="tmies"):
-        compose([*TINY, "objective=logit", echo_stage("{on: true, tmies: 2}")])
+        compose([*TINY, "objective=logit", "stage_strategy=echo", echo_stage("{on: true, tmies: 2}")])
     with pytest.raises(ConfigCompositionException, match="tmies"):
-        compose([*TINY, "objective=logit", echo_stage("{on: true}"), "objective.stages.0.echo.tmies=2"])
-    bad = compose([*TINY, "objective=logit", echo_stage("{on: true}"), "objective.stages.0.echo.times=0"])
+        compose([*TINY, "objective=logit", "stage_strategy=echo", echo_stage("{on: true}"),
+                 "objective.stages.0.echo.tmies=2"])
+    bad = compose([*TINY, "objective=logit", "stage_strategy=echo", echo_stage("{on: true}"),
+                   "objective.stages.0.echo.times=0"])
     with pytest.raises(ValueError, match=re.escape("objective.stages[0].echo.times=0")):
         plan_stages(bad.objective)
     off = OmegaConf.to_container(compose([*TINY, "objective=logit"]).objective.stages[0], resolve=True)
     assert "echo" not in stage_identity(off)  # a stage without the block counts as before the option existed
+
+
+def test_a_strategy_block_without_the_strategy_fails_at_composition_with_a_hint() -> None:
+    r = subprocess.run([sys.executable, "-m", "kdrun", "task=toy", "objective=logit", echo_stage("{phase: width}")
+                        .replace("echo:", "adaptive:"), "--cfg", "job"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Key 'adaptive' not in 'StageConfig'" in r.stderr
+    assert "override /stage_strategy@_global_.stage_strategy: adaptive" in r.stderr
 
 
 def test_unknown_stage_keys_fail_when_planned() -> None:
@@ -135,7 +146,7 @@ def test_the_trainer_runs_the_strategy_and_the_run_reports_it(echo, run_cfg, tmp
     from kdrun.engine.objective import plan_stages
     from kdrun.engine.trainer import ddp_settings, leaves_parameters_unused
 
-    args = ("objective=logit", echo_stage("{on: true, times: 2}"))
+    args = ("objective=logit", "stage_strategy=echo", echo_stage("{on: true, times: 2}"))
     plans = plan_stages(run_cfg(*args).objective)
     assert leaves_parameters_unused(plans[0], echo) and ddp_settings(plans[0], echo, run_cfg().train) == (True, False)
     out = run(run_cfg(*args), tmp_path / "run")
@@ -161,7 +172,8 @@ def test_cfg_job_prints_no_strategy_block_for_ordinary_stages() -> None:
     r = subprocess.run([sys.executable, "-m", "kdrun", "task=toy", "objective=ckd", "--cfg", "job"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "phase:" not in r.stdout and "widths:" not in r.stdout
+    assert "adaptive" not in r.stdout and "phase:" not in r.stdout and "widths:" not in r.stdout
+    assert "stage_strategy" not in r.stdout  # the group types the stages; it adds no key of its own
 
 
 def test_the_extended_schema_unpickles_in_a_fresh_process(tmp_path) -> None:

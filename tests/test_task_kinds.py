@@ -120,3 +120,28 @@ def test_preflight_returns_a_typed_plan_with_the_task_kind_resolved_once() -> No
     assert [p.name for p in plan.plans] == [s.name for s in cfg.objective.stages] and plan.uses_teacher
     for path in ("kdrun/app/run.py", "kdrun/app/context.py", "kdrun/app/models.py", "kdrun/app/outputs.py"):
         assert "kind_of(" not in (REPO / path).read_text(), path
+
+
+def test_the_qa_kind_owns_its_per_token_logit_shape() -> None:
+    """QA's (B, n, 2) logits: batches of different widths join padded with -inf to the widest (a
+    padded position never wins an answer span); a batch's rows of the teacher's logit table are cut
+    to its own width. A classification kind joins and looks up rows unchanged."""
+    import torch
+
+    from kdrun.engine.evaluation import LogitTable
+    from kdrun.tasks.kinds import get_task_kind
+
+    qa, cls = get_task_kind("qa"), get_task_kind("classification")
+    a, b = torch.randn(2, 3, 2), torch.randn(1, 5, 2)
+    joined = qa.join_logits([a, b])
+    assert joined.shape == (3, 5, 2)
+    assert torch.equal(joined[:2, :3], a) and torch.equal(joined[2:], b)
+    assert torch.isinf(joined[:2, 3:]).all() and (joined[:2, 3:] < 0).all()
+    flat = [torch.randn(2, 3), torch.randn(4, 3)]
+    assert torch.equal(cls.join_logits(flat), torch.cat(flat))
+
+    table = LogitTable(joined, torch.tensor([10, 11, 12]), fit=qa.batch_logits)
+    batch = {"idx": torch.tensor([12, 10]), "attention_mask": torch.ones(2, 4)}
+    assert torch.equal(table.for_batch(batch), torch.stack([b[0, :4], joined[0, :4]]))
+    plain = LogitTable(torch.randn(3, 2), torch.tensor([10, 11, 12]))
+    assert torch.equal(plain.for_batch(batch), plain[torch.tensor([12, 10])])

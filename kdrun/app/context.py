@@ -210,7 +210,7 @@ def make_parts(session: Session, data: RunData, models: Models):
                     evaluator=kind.evaluator(), train_cfg=cfg.train,
                     tracker=session.tracker, run_dir=session.run_dir, config_hash=session.config_hash,
                     log_every=cfg.logger.log_every_steps, rank=acc.process_index, world_size=acc.num_processes,
-                    augmented_data=data.augmented, store=store_settings(cfg, data))
+                    augmented_data=data.augmented, store=store_settings(cfg, data), kind=kind)
 
 
 def store_settings(cfg: DictConfig, data: RunData):

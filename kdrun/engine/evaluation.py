@@ -22,8 +22,9 @@ def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 @torch.inference_mode()
 def predict(model: nn.Module, data, collator, batch_size: int, accelerator,
-            desc: str = "predict", world_size: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """Logits (N, C) and labels (N,) for a tokenised split, in the split's row order.
+            desc: str = "predict", world_size: int = 1, join=torch.cat) -> tuple[np.ndarray, np.ndarray]:
+    """Logits (N, C) and labels (N,) for a tokenised split, in the split's row order (``join``: how the
+    task kind joins batches of logits, e.g. per-token logits of different widths).
 
     With ``world_size`` > 1 every process predicts its slice and the slices are gathered, so all
     processes return the whole split.
@@ -44,21 +45,19 @@ def predict(model: nn.Module, data, collator, batch_size: int, accelerator,
     if world_size > 1:
         from accelerate.utils import gather_object
 
-        mine = [(torch.cat(order), _cat_logits(logits), torch.cat(labels))] if order else []
+        mine = [(torch.cat(order), join(logits), torch.cat(labels))] if order else []
         parts = gather_object(mine)
         order, logits, labels = [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts]
     idx = torch.cat(order)
     perm = torch.argsort(idx)
-    return _cat_logits(logits)[perm].numpy(), torch.cat(labels)[perm].numpy()
+    return join(logits)[perm].numpy(), torch.cat(labels)[perm].numpy()
 
 
-def _cat_logits(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate batches of logits; per-token (B, n, 2) QA logits of batches padded to different
-    widths are padded with -inf to the widest."""
-    if parts and parts[0].dim() == 3:
-        width = max(p.shape[1] for p in parts)
-        parts = [torch.nn.functional.pad(p, (0, 0, 0, width - p.shape[1]), value=float("-inf")) for p in parts]
-    return torch.cat(parts)
+def logit_kind(parts: RunParts) -> Any:
+    """The run's task kind, for the shape of its logits (the base kind's when the parts name none)."""
+    from kdrun.tasks.kinds import TaskKind
+
+    return parts.kind if parts.kind is not None else TaskKind()
 
 
 def evaluate(parts: RunParts, model: nn.Module, stage: int | None = None) -> dict[str, dict[str, float]]:
@@ -68,7 +67,8 @@ def evaluate(parts: RunParts, model: nn.Module, stage: int | None = None) -> dic
     results = {}
     for split, data in parts.eval_data.items():
         logits, labels = predict(model, data, parts.collator, parts.train_cfg.eval_batch_size, parts.accelerator,
-                                 desc=f"eval {split}", world_size=parts.world_size)
+                                 desc=f"eval {split}", world_size=parts.world_size,
+                                 join=logit_kind(parts).join_logits)
         metric_fn = parts.metric_fn[split] if isinstance(parts.metric_fn, dict) else parts.metric_fn  # QA: per split
         results[split] = metric_fn(logits, labels)
     return results
@@ -89,23 +89,31 @@ def main_score(parts: RunParts, results: dict[str, dict[str, float]]) -> float:
     return metric_sign(parts.main_metric) * sum(float(results[s][parts.main_metric]) for s in splits)
 
 
-@torch.inference_mode()
 class LogitTable:
     """Teacher logits for every training row, looked up by the rows' ``idx`` on the device (a row's
-    ``idx`` need not be its position: a corpus subsample keeps the original ones)."""
+    ``idx`` need not be its position: a corpus subsample keeps the original ones). ``fit``: the task
+    kind's batch_logits, which gives a batch its rows as the teacher's logits for that batch."""
 
-    def __init__(self, logits: torch.Tensor, ids: torch.Tensor) -> None:
+    @torch.inference_mode()
+    def __init__(self, logits: torch.Tensor, ids: torch.Tensor, fit=None) -> None:
         self.sorted_ids, order = torch.sort(ids.to(logits.device))
         self.logits = logits[order]
+        self.fit = fit
 
     def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
         return self.logits[torch.searchsorted(self.sorted_ids, idx.to(self.sorted_ids.device))]
+
+    def for_batch(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The teacher's logits for ``batch`` (its rows, fitted to the batch by the task kind)."""
+        rows = self[batch["idx"]]
+        return rows if self.fit is None else self.fit(rows, batch)
 
 
 def _teacher_logit_table(parts: RunParts, plan: StagePlan) -> LogitTable:
     """Teacher logits for every training row (the data are fixed across epochs)."""
     parts.teacher.eval()
+    kind = logit_kind(parts)
     logits, _ = predict(parts.teacher, parts.train_data, parts.collator, parts.train_cfg.eval_batch_size,
-                        parts.accelerator, desc="teacher logits", world_size=parts.world_size)
+                        parts.accelerator, desc="teacher logits", world_size=parts.world_size, join=kind.join_logits)
     ids = torch.as_tensor(np.asarray(parts.train_data["idx"]), dtype=torch.long)
-    return LogitTable(torch.from_numpy(logits).to(parts.accelerator.device), ids)
+    return LogitTable(torch.from_numpy(logits).to(parts.accelerator.device), ids, fit=kind.batch_logits)

@@ -48,4 +48,7 @@ class RunParts:
     selection_threshold: float | None = None
     # The teacher-output store's settings (kdrun/engine/teacher_store.py); None: the teacher runs live.
     store: Any = None
+    # The task kind (kdrun.tasks.kinds.TaskKind): the shape of its logits (join_logits, batch_logits);
+    # None: one row of logits per example.
+    kind: Any = None
 

@@ -67,10 +67,7 @@ def teacher_features(parts: RunParts, loop: StageLoop, batch: dict[str, Any]) ->
     if loop.store is not None:
         return loop.store.features(batch, loop.plan.teacher_needs)
     if loop.teacher_table is not None:
-        logits = loop.teacher_table[batch["idx"]]
-        if logits.dim() == 3:  # QA: the table is as wide as the widest window, the batch as its own
-            logits = logits[:, : batch["attention_mask"].shape[1]]
-        return Features(logits=logits, attention_mask=batch["attention_mask"])
+        return Features(logits=loop.teacher_table.for_batch(batch), attention_mask=batch["attention_mask"])
     with torch.no_grad(), parts.accelerator.autocast():
         return extract_features(parts.teacher, batch, loop.plan.teacher_needs)
 

@@ -8,10 +8,10 @@ teacher live, whether they leave parameters unused under DDP, what it adds to a 
 
 Strategies are found like loss terms and task kinds: every module listed under the entry point
 group ``kdrun.stage_strategies`` is imported and calls :func:`register_stage_strategy` on import;
-a plug-in package adds one without editing kdrun. Registering also adds the option to every
-stage's schema (:func:`kdrun.config.register_stage_options`): null unless an objective's YAML or an
-override sets the block, which is then typed by the strategy's ``options`` (its defaults filled in,
-a misspelt key refused when the config is composed).
+a plug-in package adds one without editing kdrun. Registering also adds the option ``<key>`` to the
+config group ``stage_strategy`` (:func:`kdrun.config.register_stage_options`): the stages of an
+objective that chooses it carry the block, typed by the strategy's ``options`` (its defaults filled
+in, a misspelt key refused when the config is composed); other objectives' stages have no such key.
 """
 
 from __future__ import annotations

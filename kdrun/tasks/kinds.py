@@ -112,6 +112,18 @@ class TaskKind:
         """The score of a constant prediction (kdrun.tasks.baselines), or None where it has no meaning."""
         return None
 
+    # ---- the shape of the kind's logits
+    def join_logits(self, batches: list[Any]) -> Any:
+        """A split's logits from its batches' logits, in order (one row per example)."""
+        import torch
+
+        return torch.cat(batches)
+
+    def batch_logits(self, rows: Any, batch: dict[str, Any]) -> Any:
+        """A batch's rows of the teacher's logit table (as :meth:`join_logits` made it) as the logits
+        the teacher would give that batch."""
+        return rows
+
 
 def register_task_kind(kind: TaskKind) -> TaskKind:
     """Make ``kind`` available as ``task.kind=<kind.name>`` (a later registration of the same name replaces it)."""

@@ -1,8 +1,9 @@
 """DynaBERT as a stage strategy of kdrun's engine: the stage option ``adaptive`` (kdrun/engine/strategies.py).
 
 Registered on import (entry point group ``kdrun.stage_strategies``); the objectives that use it
-(conf/objective/dynabert*.yaml) list ``/stage_strategy/adaptive@_here_`` in their defaults, so their
-stages carry the typed ``adaptive`` block below. Imports nothing heavy at module level: Hydra's
+(conf/objective/dynabert*.yaml) choose it in their defaults
+(``- override /stage_strategy@_global_.stage_strategy: adaptive``), so their stages carry the typed
+``adaptive`` block below; other objectives' stages have no such key. Imports nothing heavy at module level: Hydra's
 schema registration imports this module.
 """
 

@@ -77,5 +77,18 @@ class QAKind(LabelledKind):
     def baseline(self, task: Any, train: Any, evals: dict[str, Any]) -> dict[str, Any] | None:
         return {"kind": None, "reason": QA_REASON}
 
+    def join_logits(self, batches: list[Any]) -> Any:
+        """Per-token (B, n, 2) logits of batches padded to different widths n, padded with -inf to the
+        widest (a padded position is never an answer's start or end)."""
+        import torch
+
+        width = max((b.shape[1] for b in batches), default=0)
+        return torch.cat([torch.nn.functional.pad(b, (0, 0, 0, width - b.shape[1]), value=float("-inf"))
+                          for b in batches])
+
+    def batch_logits(self, rows: Any, batch: dict[str, Any]) -> Any:
+        """The table is as wide as the widest window, the batch as its own."""
+        return rows[:, : batch["attention_mask"].shape[1]]
+
 
 register_task_kind(QAKind())
