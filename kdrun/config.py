@@ -110,8 +110,9 @@ class TaskConfig:
     toy: Optional[ToyConfig] = None
     # The task kind (kdrun/tasks/kinds.py): ``classification`` (sentence / sentence-pair
     # classification and regression), ``qa`` (extractive question answering on SQuAD v1.1 JSON,
-    # kdrun/tasks/qa/) or ``corpus`` (raw text for task-agnostic distillation,
-    # kdrun/strategies/task_agnostic/; no labels). The keys below are for qa / corpus only.
+    # kdrun/tasks/qa/) or ``general`` (a corpus of raw text for general, task-agnostic distillation,
+    # kdrun/strategies/general/; no labels; ``corpus`` is its deprecated name). The keys below are
+    # for qa / general only.
     kind: str = "classification"
     # Modules to import before the kind is looked up (a task kind registered out of tree, see
     # kdrun.tasks.kinds); the built-in kinds and installed plug-ins need none.
@@ -124,13 +125,13 @@ class TaskConfig:
     # qa: longest predicted answer (tokens) and the start / end candidates tried per window.
     max_answer_length: int = 30
     n_best: int = 20
-    # corpus (``task.kind=corpus``, general distillation on raw text, kdrun/strategies/task_agnostic/): the corpus is
+    # general (``task.kind=general``, distillation on raw text, kdrun/strategies/general/): the corpus is
     # ``data_files`` (files, a directory or globs of plain-text or WikiExtractor files); documents
     # whose text hashes into the first ``validation_percent`` % are held out for evaluation;
     # segments shorter than ``min_segment_tokens`` (a document's tail) are dropped.
     validation_percent: float = 1.0
     min_segment_tokens: int = 8
-    # corpus: share of tokens masked for the masked-LM distribution term (mlm_kd; BERT's 80/10/10).
+    # general: share of tokens masked for the masked-LM distribution term (mlm_kd; BERT's 80/10/10).
     mlm_probability: float = 0.15
 
 

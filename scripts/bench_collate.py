@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kdrun.strategies.task_agnostic.data import CorpusCollator
+from kdrun.strategies.general.data import CorpusCollator
 from kdrun.tasks.data.pipeline import Collator, LengthGroupedBatchSampler
 
 TOKEN_COLUMNS = ("input_ids", "attention_mask", "token_type_ids")

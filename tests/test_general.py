@@ -17,7 +17,7 @@ from kdrun.app.run import run
 from kdrun.engine.trainer import SimulatedInterrupt
 from kdrun.errors import ConfigError
 from kdrun.models.features import Features, extract_features
-from kdrun.strategies.task_agnostic.data import CorpusCollator
+from kdrun.strategies.general.data import CorpusCollator
 from kdrun.tasks.data.common import DataError
 
 WORDS = ("the cat sat on a mat while dogs ran through green fields under bright summer skies and birds sang "
@@ -277,7 +277,7 @@ def test_probe_fine_tunes_the_general_student_next_to_its_random_twin(run_cfg, c
 
     run(run_cfg(*corpus_args(corpus, "ckd_general"), toy=False), tmp_path / "g")
     out = tmp_path / "probe"
-    cmd = [sys.executable, "-m", "kdrun.strategies.task_agnostic.probe", "probe", str(tmp_path / "g"), "--tasks", "toy",
+    cmd = [sys.executable, "-m", "kdrun.strategies.general.cli", "probe", str(tmp_path / "g"), "--tasks", "toy",
            "--seeds", "1",
            "--out", str(out), "task.toy.num_train=160", "task.toy.num_validation=64", "train.epochs=1",
            f"cache_dir={cache_dir}"]

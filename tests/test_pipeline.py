@@ -173,7 +173,7 @@ def test_vectorised_collator_accepts_tensor_rows_and_rejects_overlong_rows() -> 
 @pytest.mark.parametrize("pad_to", [None, 64])
 @pytest.mark.parametrize("masking", [True, False])
 def test_vectorised_corpus_collator_keeps_its_seeded_masks(masking: bool, pad_to: int | None) -> None:
-    from kdrun.strategies.task_agnostic.data import CorpusCollator
+    from kdrun.strategies.general.data import CorpusCollator
 
     mask_id = 3 if masking else None
     col = CorpusCollator(pad_token_id=0, mask_token_id=mask_id, vocab_size=50, probability=0.15, seed=11, pad_to=pad_to)

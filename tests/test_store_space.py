@@ -124,7 +124,7 @@ def test_the_key_follows_config_collator_and_rows_without_reading_tokens() -> No
     from transformers import BertConfig, BertModel
 
     from kdrun.engine.teacher_store import StoreSettings, store_key
-    from kdrun.strategies.task_agnostic.data import CorpusCollator
+    from kdrun.strategies.general.data import CorpusCollator
 
     def bert(**kw):
         torch.manual_seed(0)

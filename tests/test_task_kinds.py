@@ -19,20 +19,20 @@ from tests.conftest import REPO, TINY, TOY, compose
 
 def test_builtin_kinds_are_registered_with_their_answers() -> None:
     kinds = task_kinds()
-    assert {"classification", "qa", "corpus"} <= set(kinds)
+    assert {"classification", "qa", "general"} <= set(kinds)
     assert kinds["qa"].head([], "student") == "qa" and kinds["classification"].head([], "teacher") == "classification"
-    assert kinds["corpus"].fine_tunes_teacher is False and kinds["qa"].fine_tunes_teacher is True
+    assert kinds["general"].fine_tunes_teacher is False and kinds["qa"].fine_tunes_teacher is True
     assert kinds["qa"].report_each_metric and not kinds["classification"].report_each_metric
     assert kinds["qa"].teacher_keyed == ("kind", "doc_stride", "max_answer_length", "n_best")
-    assert kinds["corpus"].evaluator() is not None and kinds["classification"].evaluator() is None
+    assert kinds["general"].evaluator() is not None and kinds["classification"].evaluator() is None
     assert metric_sign("distill_loss") == -1.0 and metric_sign("accuracy") == 1.0 and metric_sign("f1") == 1.0
 
 
 def test_kind_of_reads_typed_configs_and_plain_dicts() -> None:
     assert kind_of(compose(["task=squad"]).task).name == "qa"
     assert kind_of({"name": "x"}).name == "classification"
-    assert kind_of({"name": "x", "kind": "corpus"}).name == "corpus"
-    with pytest.raises(ConfigError, match=r"task.kind='nosuch' must be one of classification, corpus, qa"):
+    assert kind_of({"name": "x", "kind": "general"}).name == "general"
+    with pytest.raises(ConfigError, match=r"task.kind='nosuch' must be one of classification, general, qa"):
         get_task_kind("nosuch")
 
 
@@ -44,7 +44,7 @@ def test_metric_checks_belong_to_the_kind() -> None:
     with pytest.raises(ValueError, match="question answering"):
         get_task_kind("qa").check_metrics(["accuracy"], task)
     with pytest.raises(ValueError, match="corpus task"):
-        get_task_kind("corpus").check_metrics(["accuracy"], task)
+        get_task_kind("general").check_metrics(["accuracy"], task)
 
 
 def test_classification_metric_fn_scores_like_a_naive_count() -> None:
@@ -66,7 +66,7 @@ KIND_BLIND = ["kdrun/app/run.py", "kdrun/app/context.py", "kdrun/app/models.py",
 @pytest.mark.parametrize("path", KIND_BLIND)
 def test_no_task_kind_branches(path: str) -> None:
     tree = ast.parse((REPO / path).read_text())
-    names = {"qa", "corpus", "classification"}
+    names = {"qa", "general", "classification"}
     bad = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
            and any(isinstance(c, ast.Constant) and c.value in names for c in [node.left, *node.comparators])]
     assert not bad, f"{path} compares with a task kind's name at lines {bad}; ask kdrun.tasks.kinds instead"
@@ -145,3 +145,22 @@ def test_the_qa_kind_owns_its_per_token_logit_shape() -> None:
     assert torch.equal(table.for_batch(batch), torch.stack([b[0, :4], joined[0, :4]]))
     plain = LogitTable(torch.randn(3, 2), torch.tensor([10, 11, 12]))
     assert torch.equal(plain.for_batch(batch), plain[torch.tensor([12, 10])])
+
+
+def test_former_names_of_the_general_kind_and_package_still_work_with_one_warning() -> None:
+    """``task.kind=corpus`` and ``kdrun.strategies.task_agnostic`` are the general kind's and
+    package's former names: they resolve to the same objects for one release and each warns once."""
+    code = ("import kdrun.strategies.task_agnostic.kind as old, kdrun.strategies.general.kind as new, "
+            "kdrun.strategies.task_agnostic.probe as probe, kdrun.strategies.general.cli as cli; "
+            "from kdrun.tasks.kinds import get_task_kind, kind_of; "
+            "assert old is new and probe is cli; "
+            "assert get_task_kind('corpus') is get_task_kind('general'); "
+            "assert kind_of({'name': 'x', 'kind': 'corpus'}).name == 'general'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert lines == [
+        "kdrun: warning: the package kdrun.strategies.task_agnostic is deprecated and will be removed in the next "
+        "release; use kdrun.strategies.general",
+        "kdrun: warning: task.kind=corpus is deprecated and will be removed in the next release; use task.kind=general",
+    ], lines

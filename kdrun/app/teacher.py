@@ -95,7 +95,7 @@ TASK_NOT_IN_KEY = {
     "name": "a label (names in error messages and run names); the data it stands for is in the data hash",
     "selection_splits": "selects the kept student only; the teacher selects on main_metric of the first eval split",
     "selection_threshold": "a floor for keeping a student only; the teacher's selection has none",
-    # corpus tasks only (task.kind=corpus): their teacher is used as it is, never fine-tuned or cached
+    # corpus tasks only (task.kind=general): their teacher is used as it is, never fine-tuned or cached
     "validation_percent": "corpus tasks only: no teacher is fine-tuned for them",
     "min_segment_tokens": "corpus tasks only: no teacher is fine-tuned for them",
     "mlm_probability": "corpus tasks only: no teacher is fine-tuned for them",

@@ -41,7 +41,7 @@ class RunParts:
     # The tokenised augmented training set, for stages with ``data: augmented``.
     augmented_data: Any = None
     # Replaces prediction + metric_fn: (parts, model, stage index or None) -> {split: metrics}
-    # (corpus tasks: the held-out distillation loss, kdrun/strategies/task_agnostic/evaluate.py).
+    # (corpus tasks: the held-out distillation loss, kdrun/strategies/general/evaluate.py).
     evaluator: Callable[..., dict[str, dict[str, float]]] | None = None
     # Model selection (task.selection_splits, task.selection_threshold; see main_score, evaluate_stage).
     selection_splits: Any = None

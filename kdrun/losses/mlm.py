@@ -3,7 +3,7 @@
 CKD's task-agnostic setting (Park, Kim & Yang, 2021) trains the student on the masked-LM
 probabilities of the teacher together with the contextual relations; DistilBERT (Sanh et al., 2019)
 and TinyBERT's general stage use the same soft targets. Only the masked positions count: the batch
-holds their flat indices (``mlm_positions``, made by the corpus collator, kdrun/strategies/task_agnostic/data.py),
+holds their flat indices (``mlm_positions``, made by the corpus collator, kdrun/strategies/general/data.py),
 and the features record holds the two models' vocabulary logits there (``mlm_logits``, (M, V)).
 """
 

@@ -14,7 +14,9 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-PIPELINE_TAGS = {"classification": "text-classification", "qa": "question-answering", "corpus": "fill-mask"}
+# "corpus": the general kind's former name, in results.json of older runs.
+PIPELINE_TAGS = {"classification": "text-classification", "qa": "question-answering", "general": "fill-mask",
+                 "corpus": "fill-mask"}
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 

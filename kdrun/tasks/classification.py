@@ -28,7 +28,7 @@ def check_labelled_objective(cfg: Any, plans: list[Any]) -> None:
     if mlm:
         raise ConfigError(
             f"objective '{name}': terms {mlm} match the masked-LM distribution on masked tokens, which only a "
-            f"corpus task (task.kind=corpus, e.g. task=wikipedia) provides; task '{cfg.task.name}' (task.kind="
+            f"corpus task (task.kind=general, e.g. task=wikipedia) provides; task '{cfg.task.name}' (task.kind="
             f"{cfg.task.kind}) masks none. Distil on it with a task objective, e.g. objective={twin}")
     if not any(t.spec.reads_task_outputs for p in plans for t in p.terms):
         raise ConfigError(

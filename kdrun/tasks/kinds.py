@@ -10,7 +10,8 @@ Built in (entry point group ``kdrun.task_kinds``, declared in pyproject.toml):
 - ``classification`` — single sentences and pairs, classes or a regression score (GLUE),
   :mod:`kdrun.tasks.classification`;
 - ``qa`` — extractive question answering (SQuAD v1.1), :mod:`kdrun.tasks.qa.kind`;
-- ``corpus`` — raw text for task-agnostic distillation, :mod:`kdrun.strategies.task_agnostic.kind`.
+- ``general`` — a corpus of raw text for general (task-agnostic) distillation,
+  :mod:`kdrun.strategies.general.kind` (``corpus``: its former name, a deprecated alias).
 
 A new kind is a subclass of :class:`TaskKind` registered with :func:`register_task_kind` in a module
 that kdrun imports: one listed under the ``kdrun.task_kinds`` entry points of any installed package,
@@ -152,8 +153,17 @@ def task_kinds() -> dict[str, TaskKind]:
     return dict(_KINDS)
 
 
+# Former names of kinds, accepted with a warning for one release: old name -> name.
+DEPRECATED_KINDS = {"corpus": "general"}
+
+
 def get_task_kind(name: str) -> TaskKind:
     kinds = task_kinds()
+    if name in DEPRECATED_KINDS and name not in kinds:
+        from kdrun.runtime.deprecation import deprecated
+
+        deprecated(f"task.kind={name}", f"task.kind={DEPRECATED_KINDS[name]}")
+        name = DEPRECATED_KINDS[name]
     if name not in kinds:
         raise ConfigError(f"task.kind='{name}' must be one of {', '.join(sorted(kinds))} (a new kind registers "
                           "itself with kdrun.tasks.kinds.register_task_kind; see the documentation, "

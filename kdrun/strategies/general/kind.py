@@ -1,4 +1,4 @@
-"""The ``corpus`` task kind: raw text for task-agnostic distillation (``task=wikipedia``,
+"""The ``general`` task kind: raw text for general (task-agnostic) distillation (``task=wikipedia``,
 ``task=text_corpus``). No labels: the pre-trained teacher is used as it is, the student learns from
 its representations only and is scored by the distillation loss on held-out documents."""
 
@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kdrun.strategies.task_agnostic import CORPUS_METRICS, check_corpus_config, head_for, uses_mlm
+from kdrun.strategies.general import CORPUS_METRICS, check_corpus_config, head_for, uses_mlm
 from kdrun.tasks.kinds import KindData, TaskKind, register_task_kind
 
 
-class CorpusKind(TaskKind):
-    name = "corpus"
+class GeneralKind(TaskKind):
+    name = "general"
     fine_tunes_teacher = False
     lower_is_better = frozenset(CORPUS_METRICS)
 
@@ -32,7 +32,7 @@ class CorpusKind(TaskKind):
         corpus_files(task.data_files)
 
     def load_data(self, cfg: Any, tokenizer: Any, tok_hash: str, plans: list[Any], spans: Any = None) -> KindData:
-        from kdrun.strategies.task_agnostic.data import CorpusCollator, load_corpus
+        from kdrun.strategies.general.data import CorpusCollator, load_corpus
 
         train, validation, data_hash, _ = load_corpus(cfg.task, tokenizer, tok_hash, cfg.cache_dir)
         mlm = uses_mlm(plans)
@@ -46,7 +46,7 @@ class CorpusKind(TaskKind):
         return head_for(plans, role)
 
     def pretrained_teacher(self, cfg: Any, ref: str | None, plans: list[Any], tokenizer: Any, need_attn: bool) -> Any:
-        from kdrun.strategies.task_agnostic.models import general_teacher
+        from kdrun.strategies.general.models import general_teacher
 
         return general_teacher(cfg, ref, head_for(plans, "teacher"), len(tokenizer), tokenizer.pad_token_id,
                                need_attn)
@@ -55,9 +55,9 @@ class CorpusKind(TaskKind):
         return None
 
     def evaluator(self) -> Any:
-        from kdrun.strategies.task_agnostic.evaluate import heldout_losses
+        from kdrun.strategies.general.evaluate import heldout_losses
 
         return heldout_losses
 
 
-register_task_kind(CorpusKind())
+register_task_kind(GeneralKind())

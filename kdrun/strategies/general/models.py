@@ -1,5 +1,5 @@
 """Teachers and students of a corpus task: bare encoders, or masked-LM models when a term reads the
-masked-LM distribution (kdrun/strategies/task_agnostic/__init__.py: ``head_for``)."""
+masked-LM distribution (kdrun/strategies/general/__init__.py: ``head_for``)."""
 
 from __future__ import annotations
 
