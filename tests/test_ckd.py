@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from kdrun.losses import get_loss
 from kdrun.losses.registry import LossContext
 from kdrun.losses.relations import angle_loss, angle_matrix, pair_loss, pair_relation
 from kdrun.models.features import Features
-from tests.conftest import TINY, compose, load_script
+from tests.conftest import REPO, TINY, compose, load_script
 
 LOSSES = ["mse", "l1", "huber", "kl"]
 PAIR_OPTIONS = [("l2", False), ("l2", True), ("cosine", False)]
@@ -551,3 +552,49 @@ def test_ckd_run_without_width_or_head_constraint(tmp_path: Path, shared_cache: 
     assert {f"train/{t}" for t in TERMS} <= keys
     lines = [json.loads(x) for x in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
     assert all(torch.isfinite(torch.tensor(v)) for line in lines for k, v in line.items() if k.startswith("train/"))
+
+
+# ------------------------------------------------------------------------------------- term group
+
+
+def test_the_relations_group_expands_into_the_four_terms_as_written_out() -> None:
+    """One ``ckd_relations`` entry stands for the four terms: weights are the hand-computed products
+    (switches as 1 / 0, lambda_ltr following lambda_wr when null), every setting reaches the terms
+    that read it, and its defaults are the terms' own."""
+    from dataclasses import fields
+
+    from kdrun.losses.ckd import PairParams, RelationsParams, WRAngleParams, WRPairParams, expand_relations
+
+    p = RelationsParams(wr=0.5, ltr=2.0, lambda_wr=10.0, wr_angle=False, ltr_pair=0.25, pair_phi="l2",
+                        pair_normalize=True, pair_loss="mse", angle_loss="huber", huber_beta=0.5, window_pair=3,
+                        window_angle=7, reduction="official")
+    got = {name: (w, params) for name, w, params in expand_relations(0.1, p)}
+    common = {"huber_beta": 0.5, "reduction": "official"}
+    pair = {**common, "phi": "l2", "normalize": True, "loss": "mse"}
+    assert got == {"ckd_wr_pair": (0.1 * 0.5, {**pair, "window": 3}),
+                   "ckd_wr_angle": (0.0, {**common, "loss": "huber", "window": 7}),
+                   "ckd_ltr_pair": (0.1 * 2.0 * 0.25, pair),
+                   "ckd_ltr_angle": (0.1 * 2.0 * 10.0, {**common, "loss": "huber"})}
+    assert expand_relations(1.0, RelationsParams(lambda_ltr=3.0))[3][1] == 3.0
+    defaults = {f.name: f.default for f in fields(RelationsParams)}
+    pair_names = {"phi": "pair_phi", "normalize": "pair_normalize", "loss": "pair_loss"}
+    for cls, names in ((WRPairParams, {**pair_names, "window": "window_pair"}), (PairParams, pair_names),
+                       (WRAngleParams, {"loss": "angle_loss", "window": "window_angle"})):
+        for f in fields(cls):
+            assert defaults[names.get(f.name, f.name)] == f.default, (cls.__name__, f.name)
+
+
+def test_the_ckd_objectives_write_the_four_terms_once_through_the_group() -> None:
+    """No objective spells out CKD's terms: each writes one ckd_relations entry per stage; a wrong
+    setting in it fails when the stages are planned, naming the entry and the setting."""
+    from kdrun.engine.objective import plan_stages
+    from kdrun.losses import ParamError
+
+    for path in sorted((REPO / "conf" / "objective").glob("*.yaml")):
+        body = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
+        assert not re.search(r"ckd_(wr|ltr)_(pair|angle)", body), path.name
+    for objective in ("ckd", "ckd_two_stage", "ckd_official", "ckd_general", "mlm_ckd", "dynabert_ckd"):
+        plans = plan_stages(compose([f"objective={objective}"]).objective)
+        assert [t.key for t in plans[0].terms if t.key.startswith("ckd")] == TERMS, objective
+    with pytest.raises(ParamError, match=re.escape("objective.stages[0].losses[2]: ckd_relations") + ".*window_pair"):
+        plan_stages(compose(["objective=ckd", "objective.params.window_pair=0"]).objective)

@@ -146,4 +146,6 @@ def test_config_error_is_one_line(tmp_path: Path) -> None:
     listed = line[len(head):].split(", ")
     # the built-in terms, sorted (other tests may have registered test-only terms in this process)
     assert listed == sorted(listed) and {"ce", "logit_kd", "ckd_wr_pair", "tinybert_attention"} <= set(listed)
-    assert set(listed) <= set(LOSSES)
+    from kdrun.losses.registry import TERM_GROUPS
+
+    assert set(listed) <= set(LOSSES) | {f"{g} (group)" for g in TERM_GROUPS} and "ckd_relations (group)" in listed

@@ -21,7 +21,7 @@ from kdrun.engine.balance import Balancer
 from kdrun.engine.strategies import check_stage_options
 from kdrun.errors import ConfigError
 from kdrun.losses import LossContext, LossSpec, Params, check_params, get_loss
-from kdrun.losses.registry import import_loss_modules
+from kdrun.losses.registry import expand_terms, import_loss_modules
 from kdrun.models.features import Features
 from kdrun.models.mapping import MAPPINGS, STRATEGY_PARAMS, LayerMap, MappedPairs, MappingSpec, pairs_map
 
@@ -97,8 +97,7 @@ def plan_stages(objective_cfg: DictConfig, epochs: float | None = None, lr: floa
         if st["epochs"] <= 0 or st["batch_size"] <= 0:
             raise ValueError(f"{where_stage}: epochs and batch_size must be positive")
         terms = []
-        for j, term in enumerate(st["losses"]):
-            where = f"{where_stage}.losses[{j}]"
+        for where, term in expand_terms(st["losses"], where_stage):  # a term group stands for its terms
             spec = get_loss(term["name"], where)
             params = check_params(spec, term.get("params") or {}, where)
             if float(term["weight"]) == 0.0:

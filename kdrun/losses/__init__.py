@@ -11,7 +11,8 @@ from kdrun.losses.registry import (
     get_loss,
     param,
     register_loss,
+    register_term_group,
 )
 
 __all__ = ["LOSSES", "LossContext", "LossSpec", "NoParams", "ParamError", "Params", "check_params", "get_loss",
-           "param", "register_loss"]
+           "param", "register_loss", "register_term_group"]

@@ -25,6 +25,10 @@ one token (an l x l distance matrix and l^3 angles per token, weights all 1); th
 over all valid tokens of the batch and their layer pairs / triples (the paper's "sum over tokens",
 divided by the number of entries so magnitudes do not grow with batch size or length).
 
+The four terms are written as one entry of a stage's losses, the term group ``ckd_relations``
+(:class:`RelationsParams`: their settings and defaults in one place; the entry's weight is l_CKD),
+which the stage's plan expands into the four terms with their weights.
+
 Relations are compared, never vectors: student and teacher may differ in width and head count.
 Kernels, masking and matching-loss conventions: :mod:`kdrun.losses.relations`.
 """
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kdrun.losses.registry import LossContext, Params, param, positive, register_loss
+from kdrun.losses.registry import LossContext, Params, param, positive, register_loss, register_term_group
 from kdrun.losses.relations import LOSSES, PHIS, REDUCTIONS, angle_loss, pair_loss
 from kdrun.models.features import Features, fp32
 
@@ -187,3 +191,62 @@ def ckd_ltr_angle(s: Features, t: Features, batch, ctx: LossContext, p: AnglePar
     xs, valid = _token_layer_points(hs, [p[0] for p in ctx.layer_pairs], mask)
     xt, _ = _token_layer_points(ht, [p[1] for p in ctx.layer_pairs], mask)
     return angle_loss(xs, xt, valid, loss=p.loss, window=None, huber_beta=p.huber_beta, reduction=p.reduction)
+
+
+# ------------------------------------------------------------------------------------ term group
+
+
+def _factor(value: bool | float) -> str | None:
+    return None if value >= 0 else "must be >= 0 (a factor of the terms' weights; true / false switch them)"
+
+
+@dataclass(frozen=True)
+class RelationsParams(_Common):
+    """The settings of CKD's four terms as one entry of a stage's losses (``ckd_relations``), each
+    named as the ``objective.params`` key of objective=ckd that sets it. Their defaults are the
+    terms' own. The entry's weight w gives the terms' weights (switches count as 1 / 0):
+
+        ckd_wr_pair  w * wr * wr_pair          ckd_wr_angle  w * wr * lambda_wr * wr_angle
+        ckd_ltr_pair w * ltr * ltr_pair        ckd_ltr_angle w * ltr * lambda_ltr * ltr_angle
+    """
+
+    # WR's and LTR's own factors (DynaBERT-CKD's lambda1 / lambda2), and the angle terms' (lambda_ltr
+    # null: lambda_wr's, as the papers tie them).
+    wr: float = param(1.0, check=_factor)
+    ltr: float = param(1.0, check=_factor)
+    lambda_wr: float = param(1.0, check=_factor)
+    lambda_ltr: float | None = param(None, check=lambda v: None if v is None else _factor(v))
+    # Per-term switches or factors (objective=ckd_official: the authors' per-task weights).
+    wr_pair: bool | float = param(True, check=_factor)
+    wr_angle: bool | float = param(True, check=_factor)
+    ltr_pair: bool | float = param(True, check=_factor)
+    ltr_angle: bool | float = param(True, check=_factor)
+    pair_phi: str = param("cosine", choices=PHIS)
+    pair_normalize: bool = param(False)
+    pair_loss: str = param("kl", choices=LOSSES)
+    angle_loss: str = param("mse", choices=LOSSES)
+    window_pair: int | None = param(None, check=_window)
+    window_angle: int | None = param(None, check=_window)
+
+
+def _product(*xs: float) -> float:
+    """The factors' product, multiplied in order from 1.0 (as the configs' ``kd.mul`` resolver)."""
+    out = 1.0
+    for x in xs:
+        out *= float(x)
+    return out
+
+
+def expand_relations(weight: float, p: RelationsParams) -> list[tuple[str, float, dict]]:
+    """The four terms of a ``ckd_relations`` entry: (name, weight, parameters)."""
+    common = {"huber_beta": p.huber_beta, "reduction": p.reduction}
+    pair = {**common, "phi": p.pair_phi, "normalize": p.pair_normalize, "loss": p.pair_loss}
+    angle = {**common, "loss": p.angle_loss}
+    lambda_ltr = p.lambda_wr if p.lambda_ltr is None else p.lambda_ltr
+    return [("ckd_wr_pair", _product(weight, p.wr, p.wr_pair), {**pair, "window": p.window_pair}),
+            ("ckd_wr_angle", _product(weight, p.wr, p.lambda_wr, p.wr_angle), {**angle, "window": p.window_angle}),
+            ("ckd_ltr_pair", _product(weight, p.ltr, p.ltr_pair), pair),
+            ("ckd_ltr_angle", _product(weight, p.ltr, lambda_ltr, p.ltr_angle), angle)]
+
+
+register_term_group("ckd_relations", RelationsParams, expand_relations)

@@ -152,6 +152,25 @@ class NoParams(Params):
 
 # ----------------------------------------------------------------------------------- declarations
 
+def make_params(params: type[Params], owner: str, values: Mapping[str, Any] | None, where: str) -> Params:
+    """Typed parameters of the term (or term group) ``owner`` from a YAML mapping; errors name
+    ``where`` and the key."""
+    values = dict(values or {})
+    names = sorted(f.name for f in fields(params))
+    unknown = set(values) - set(names)
+    if unknown:
+        raise KeyError(f"{where}: loss term '{owner}' has no parameter(s) {sorted(unknown)}; "
+                       f"it accepts {names or 'none'}")
+    missing = [f.name for f in fields(params)
+               if f.default is MISSING and f.default_factory is MISSING and f.name not in values]
+    if missing:
+        raise KeyError(f"{where}: loss term '{owner}' needs parameter(s) {missing}")
+    try:
+        return params(**values)
+    except ParamError as e:
+        raise ParamError(f"{where}: {owner}: {e}") from None
+
+
 @dataclass(frozen=True)
 class LossSpec:
     """A registered loss term: its function and everything it declares (see the module doc)."""
@@ -184,19 +203,7 @@ class LossSpec:
 
     def make_params(self, values: Mapping[str, Any] | None = None, where: str = "params") -> Params:
         """The term's typed parameters from a YAML mapping; errors name ``where`` and the key."""
-        values = dict(values or {})
-        unknown = set(values) - self.param_names
-        if unknown:
-            raise KeyError(f"{where}: loss term '{self.name}' has no parameter(s) {sorted(unknown)}; "
-                           f"it accepts {sorted(self.param_names) or 'none'}")
-        missing = [f.name for f in fields(self.params)
-                   if f.default is MISSING and f.default_factory is MISSING and f.name not in values]
-        if missing:
-            raise KeyError(f"{where}: loss term '{self.name}' needs parameter(s) {missing}")
-        try:
-            return self.params(**values)
-        except ParamError as e:
-            raise ParamError(f"{where}: {self.name}: {e}") from None
+        return make_params(self.params, self.name, values, where)
 
     def fn(self, student, teacher, batch, ctx: LossContext, **params) -> torch.Tensor:
         """Call the term with keyword parameters (tests, notebooks); objectives pass typed params."""
@@ -294,8 +301,53 @@ def import_loss_modules(modules: Iterable[str], where: str = "objective.imports"
 def get_loss(name: str, where: str = "loss") -> LossSpec:
     discover_losses()
     if name not in LOSSES:
-        raise KeyError(f"{where}: unknown loss term '{name}'. Valid loss terms: {', '.join(sorted(LOSSES))}")
+        known = sorted([*LOSSES, *(f"{g} (group)" for g in TERM_GROUPS)])
+        raise KeyError(f"{where}: unknown loss term '{name}'. Valid loss terms: {', '.join(known)}")
     return LOSSES[name]
+
+
+# ------------------------------------------------------------------------------------ term groups
+
+@dataclass(frozen=True)
+class TermGroup:
+    """Several loss terms written as one entry of a stage's ``losses`` (e.g. CKD's four relation
+    terms): its typed parameters (defaults in one place) and how it expands, when the stages are
+    planned, into the terms it stands for (each then logged, balanced and switched off by weight 0
+    as if written out)."""
+
+    name: str
+    params: type[Params]
+    expand: Callable[[float, Params], list[tuple[str, float, dict[str, Any]]]]
+
+
+TERM_GROUPS: dict[str, TermGroup] = {}
+
+
+def register_term_group(name: str, params: type[Params],
+                        expand: Callable[[float, Params], list[tuple[str, float, dict[str, Any]]]]) -> TermGroup:
+    """Declare the group ``name``: ``expand(weight, typed params)`` returns its terms as
+    ``(term name, weight, term params)``."""
+    if name in LOSSES or name in TERM_GROUPS:
+        raise ValueError(f"loss term or group '{name}' registered twice")
+    TERM_GROUPS[name] = TermGroup(name, params, expand)
+    return TERM_GROUPS[name]
+
+
+def expand_terms(losses: list[dict[str, Any]], where_stage: str) -> list[tuple[str, dict[str, Any]]]:
+    """A stage's ``losses`` with each group entry replaced by its terms, as (where, term) pairs
+    (``where``: the entry's key, ``<stage>.losses[j]``, also for the terms of a group)."""
+    discover_losses()
+    out = []
+    for j, term in enumerate(losses):
+        where = f"{where_stage}.losses[{j}]"
+        group = TERM_GROUPS.get(term["name"])
+        if group is None:
+            out.append((where, term))
+            continue
+        typed = make_params(group.params, group.name, term.get("params"), where)
+        out += [(where, {"name": name, "weight": weight, "params": params})
+                for name, weight, params in group.expand(float(term["weight"]), typed)]
+    return out
 
 
 def check_params(spec: LossSpec, params: Mapping[str, Any], where: str) -> Params:
