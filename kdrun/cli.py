@@ -84,27 +84,19 @@ def _command_overrides(argv: list[str]) -> list[str]:
 def sweep_preset_error(overrides: list[str]) -> str | None:
     """A sweep preset is the grid of one objective (its ``sweep.objective``) and no longer chooses
     it: the one-line error when the command's objective is another, else None."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    from kdrun.config import register_configs
+    from kdrun.config import compose_each
 
     preset = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "sweep"), None)
     if preset is None or "," in preset:
         return None
     fixed = [o for o in overrides if "," not in o.split("=", 1)[-1] and not o.lstrip("+~").startswith("hydra.")]
     chosen = next((o.split("=", 1)[1].split(",") for o in overrides if o.split("=", 1)[0] == "objective"), [None])
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="kdrun.conf", version_base="1.3"):
-        for objective in chosen:
-            extra = [] if objective is None else [f"objective={objective}"]
-            cfg = compose(config_name="config", overrides=[o for o in fixed if not o.startswith("objective=")] + extra)
-            wanted = (cfg.sweep or {}).get("objective")
-            if wanted and cfg.objective.name != wanted:
-                return (f"kdrun: error: sweep={preset} is the grid of objective={wanted} and does not choose it; "
-                        f"this command's objective is {cfg.objective.name}: add objective={wanted}")
-    GlobalHydra.instance().clear()
+    rest = [o for o in fixed if not o.startswith("objective=")]
+    for cfg in compose_each([rest + ([] if objective is None else [f"objective={objective}"]) for objective in chosen]):
+        wanted = (cfg.sweep or {}).get("objective")
+        if wanted and cfg.objective.name != wanted:
+            return (f"kdrun: error: sweep={preset} is the grid of objective={wanted} and does not choose it; "
+                    f"this command's objective is {cfg.objective.name}: add objective={wanted}")
     return None
 
 

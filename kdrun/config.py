@@ -12,7 +12,7 @@ from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import II, MISSING, OmegaConf
+from omegaconf import II, MISSING, DictConfig, OmegaConf
 
 
 class Choice(str, Enum):
@@ -668,3 +668,22 @@ def register_configs() -> None:
                      ("kd.ensure_dir", _ensure_dir), ("kd.non_identity_keys", non_identity_override_keys)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """The config ``kdrun <overrides>`` runs, composed with Hydra's API outside a Hydra app (a
+    preflight check, kdrun-doctor, scripts, tests)."""
+    return compose_each([overrides])[0]
+
+
+def compose_each(override_lists: list[list[str]]) -> list[DictConfig]:
+    """:func:`compose` for each list of overrides, in one Hydra initialisation."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="kdrun.conf", version_base="1.3"):
+        return [hydra_compose(config_name="config", overrides=list(o)) for o in override_lists]

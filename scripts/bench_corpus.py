@@ -29,17 +29,6 @@ import torch
 FAST = ["teacher=tiny_random", "student=tiny_random", "task.max_seq_length=32", "objective.stages.0.batch_size=8"]
 
 
-def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-
-    from kdrun.config import register_configs
-
-    register_configs()
-    with initialize_config_module(config_module="kdrun.conf", version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
-
-
 def tokens(batch) -> int:
     return int(batch["attention_mask"].sum())
 
@@ -90,6 +79,7 @@ def main() -> None:
     from kdrun.app.context import load_data, make_parts, start_session
     from kdrun.app.models import build_student, load_teacher
     from kdrun.app.preflight import preflight
+    from kdrun.config import compose
     from kdrun.engine.trainer import TrainState, setup_stage
     from kdrun.tasks.data.corpus import corpus_files
 

@@ -407,33 +407,27 @@ def runs_csv(out: Path) -> str:
 def length_lines(args: argparse.Namespace, lengths: tuple[int, ...] = (64, 128, 256)) -> list[str]:
     """The share of rows longer than each max length, per task and split, with the teacher's tokenizer
     (the glue_cpu recipe's: all-MiniLM-L6-v2's uncased WordPiece)."""
-    from hydra import compose, initialize_config_module
-
     from kdrun.app.preflight import preflight
-    from kdrun.config import register_configs
+    from kdrun.config import compose
     from kdrun.models.loading import load_tokenizer
     from kdrun.tasks.data.sources import load_task_data
 
-    register_configs()
     lines = [f"task split rows: share of rows cut at max length {', '.join(map(str, lengths))} (longest row)"]
-    with initialize_config_module(config_module="kdrun.conf", version_base="1.3"):
-        for task in args.tasks.split(","):
-            data_dir = Path(args.glue) / GLUE_DIRS[task]
-            if not data_dir.exists():
-                lines.append(f"{task}: {data_dir} absent, skipped")
-                continue
-            cfg = compose(config_name="config", overrides=[f"experiment={RECIPES[args.recipe].experiment}",
-                                                           f"task={task}", f"task.data_dir={data_dir}",
-                                                           "task.max_train_samples=null"])
-            refs = preflight(cfg).refs
-            tok = load_tokenizer(next(refs[k] for k in ("teacher", "teacher_tokenizer", "student_tokenizer")
-                                      if k in refs))
-            for split, ds in load_task_data(cfg.task).items():
-                a = list(ds["text_a"])
-                b = list(ds["text_b"]) if "text_b" in ds.column_names and ds[0]["text_b"] is not None else None
-                n_tok = [len(x) for x in (tok(a, b) if b else tok(a))["input_ids"]]
-                shares = ", ".join(f"{sum(n > m for n in n_tok) / len(n_tok):.2%}" for m in lengths)
-                lines.append(f"{task} {split} {len(n_tok)}: {shares} ({max(n_tok)})")
+    for task in args.tasks.split(","):
+        data_dir = Path(args.glue) / GLUE_DIRS[task]
+        if not data_dir.exists():
+            lines.append(f"{task}: {data_dir} absent, skipped")
+            continue
+        cfg = compose([f"experiment={RECIPES[args.recipe].experiment}", f"task={task}", f"task.data_dir={data_dir}",
+                       "task.max_train_samples=null"])
+        refs = preflight(cfg).refs
+        tok = load_tokenizer(next(refs[k] for k in ("teacher", "teacher_tokenizer", "student_tokenizer") if k in refs))
+        for split, ds in load_task_data(cfg.task).items():
+            a = list(ds["text_a"])
+            b = list(ds["text_b"]) if "text_b" in ds.column_names and ds[0]["text_b"] is not None else None
+            n_tok = [len(x) for x in (tok(a, b) if b else tok(a))["input_ids"]]
+            shares = ", ".join(f"{sum(n > m for n in n_tok) / len(n_tok):.2%}" for m in lengths)
+            lines.append(f"{task} {split} {len(n_tok)}: {shares} ({max(n_tok)})")
     return lines
 
 

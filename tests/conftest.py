@@ -62,14 +62,9 @@ def load_script(name: str) -> ModuleType:
 
 def compose(overrides: list[str]):
     """The config `kdrun <overrides>` would run, composed with Hydra's API."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
+    from kdrun.config import compose as compose_config
 
-    from kdrun.config import register_configs
-
-    register_configs()
-    with initialize_config_module(config_module="kdrun.conf", version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
+    return compose_config(overrides)
 
 
 @pytest.fixture

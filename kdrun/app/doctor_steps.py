@@ -195,15 +195,9 @@ def task_objectives() -> dict[str, Any]:
 
 def compose_objectives(names: list[str]) -> dict[str, Any]:
     """The config ``kdrun objective=<name>`` composes, for each name."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
+    from kdrun.config import compose_each
 
-    from kdrun.config import register_configs
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="kdrun.conf", version_base="1.3"):
-        return {n: compose(config_name="config", overrides=[f"objective={n}", "logger=none"]) for n in names}
+    return dict(zip(names, compose_each([[f"objective={n}", "logger=none"] for n in names])))
 
 
 def precisions_for(device: str) -> list[str]:

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from kdrun.config import compose
+
 # Student kinds, each the overrides that build it on the offline toy task (tiny random models).
 KINDS = ("truncated", "pretrained (bf16 checkpoint)", "random", "corpus")
 # Of fp32's changed elements, the share a step may leave unchanged: elements whose fp32 gradient is
@@ -45,23 +47,11 @@ def kind_overrides(kind: str, tmp: Path, teacher_dir: str | None, bf16_dir: str 
             "objective.stages.0.batch_size=8", "student.dropout=0.0"]
 
 
-def compose_run(overrides: list[str]):
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    from kdrun.config import register_configs
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="kdrun.conf", version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
-
-
 def build_run(overrides: list[str], run_dir: Path):
     """(session, parts) of a run, through the same phases as ``kdrun.app.run``."""
     from kdrun.app.run import open_run
 
-    session, _, _, parts = open_run(compose_run(overrides), run_dir)
+    session, _, _, parts = open_run(compose(overrides), run_dir)
     return session, parts
 
 
@@ -124,8 +114,8 @@ def prepare_dirs(device: str, tmp: Path) -> dict[str, str | None]:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         from kdrun.app.run import run
 
-        res = run(compose_run([*BASE, f"cache_dir={tmp}/cache", "train.epochs=1", f"train.device={device}",
-                               "student=tiny_random"]), tmp / "teacher-run")
+        res = run(compose([*BASE, f"cache_dir={tmp}/cache", "train.epochs=1", f"train.device={device}",
+                           "student=tiny_random"]), tmp / "teacher-run")
     teacher = res["teacher"]["path"]
     bf16 = tmp / "bf16-student"
     AutoModelForSequenceClassification.from_pretrained(teacher).to(torch.bfloat16).save_pretrained(bf16)

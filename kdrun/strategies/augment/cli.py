@@ -46,17 +46,6 @@ def _split_args(argv: list[str]) -> tuple[list[str], int]:
     return overrides, show
 
 
-def compose_config(overrides: list[str]):
-    """The kdrun config for ``overrides`` (as ``kdrun`` would compose it)."""
-    from hydra import compose, initialize_config_module
-
-    from kdrun.config import register_configs
-
-    register_configs()
-    with initialize_config_module(config_module="kdrun.conf", version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
-
-
 def _show(ds: Any, source_rows: int) -> None:
     sides = [c for c in ("text_a", "text_b") if c in ds.column_names]
     shown, i = 0, 0
@@ -85,8 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from kdrun.config import compose
+
     try:
-        cfg = compose_config(overrides)
+        cfg = compose(overrides)
         aug = cfg.augmentation
         n = aug.n  # resolves the task-dependent default
     except (HydraException, OmegaConfBaseException) as e:
