@@ -416,7 +416,7 @@ class TrainConfig:
     # Data-loading processes: an integer >= 0 (0 = collate batches in the training process) or
     # ``auto``: 0 on CPU (workers would compete with the compute threads), min(4, half the cores)
     # on CUDA, the node's cores shared among its LOCAL_WORLD_SIZE processes
-    # (kdrun.tasks.data.pipeline.resolve_num_workers). Batches and their order do not depend on it.
+    # (kdrun.tasks.data.batches.resolve_num_workers). Batches and their order do not depend on it.
     num_workers: Any = "auto"
     # Compute threads of this run (null: OMP_NUM_THREADS if exported, SLURM's cpus_per_task in a
     # SLURM job, else the machine's cores divided by the kdrun runs alive on it; kdrun/runtime/threads.py).

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kdrun.strategies.general.data import CorpusCollator
-from kdrun.tasks.data.pipeline import Collator, LengthGroupedBatchSampler
+from kdrun.tasks.data.batches import Collator, LengthGroupedBatchSampler
 
 TOKEN_COLUMNS = ("input_ids", "attention_mask", "token_type_ids")
 

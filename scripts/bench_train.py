@@ -46,7 +46,7 @@ def main() -> None:
     from kdrun.engine.trainer import RunParts, TrainState, run_stage, seed_everything
     from kdrun.models import loading as M
     from kdrun.runtime.tracking import Tracker
-    from kdrun.tasks.data.pipeline import Collator, tokenize_splits
+    from kdrun.tasks.data.batches import Collator, tokenize_splits
     from kdrun.tasks.data.sources import load_task_data
     from kdrun.tasks.metrics import compute_task_metrics
 

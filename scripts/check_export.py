@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     from kdrun.models.loading import load_tokenizer
     from kdrun.strategies.dynabert.export import main as export_main
     from kdrun.strategies.dynabert.subnet import subnetwork
-    from kdrun.tasks.data.pipeline import Collator, tokenize_splits
+    from kdrun.tasks.data.batches import Collator, tokenize_splits
     from kdrun.tasks.data.sources import load_task_data
     from kdrun.tasks.kinds import kind_of
 

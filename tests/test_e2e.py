@@ -47,7 +47,7 @@ def test_two_stage_run_writes_all_outputs(run_cfg, tmp_path: Path) -> None:
     from kdrun.app.run import make_accelerator
     from kdrun.engine.trainer import predict
     from kdrun.models.loading import load_tokenizer
-    from kdrun.tasks.data.pipeline import Collator, tokenize_splits
+    from kdrun.tasks.data.batches import Collator, tokenize_splits
     from kdrun.tasks.data.sources import load_task_data
     from kdrun.tasks.metrics import compute_task_metrics
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kdrun.runtime.cache import content_hash, get_or_build, staging_dir, write_json_atomic
-from kdrun.tasks.data.pipeline import Collator, LengthGroupedBatchSampler
+from kdrun.tasks.data.batches import Collator, LengthGroupedBatchSampler
 from tests.conftest import load_script
 
 
@@ -200,7 +200,7 @@ def tiny_dataset(n: int = 90, seed: int = 0):
 
 
 def test_make_loader_collates_as_row_by_row_and_passes_pin_memory() -> None:
-    from kdrun.tasks.data.pipeline import make_loader
+    from kdrun.tasks.data.batches import make_loader
 
     ds, rows = tiny_dataset()
     loader, sampler = make_loader(ds, 8, Collator(0, False), seed=1, train=True)
@@ -222,7 +222,7 @@ def epoch_idx(loader) -> list[list[int]]:
 def test_persistent_workers_keep_exact_resume() -> None:
     """With worker processes (persistent across epochs) every epoch, a resumed one included, yields
     exactly the sampler's batches after set_epoch(epoch, start_batch), as loading in-process does."""
-    from kdrun.tasks.data.pipeline import make_loader
+    from kdrun.tasks.data.batches import make_loader
 
     ds, _ = tiny_dataset(120)
     plain, s0 = make_loader(ds, 8, Collator(0, False), seed=5, train=True, num_workers=0)
@@ -251,7 +251,7 @@ def test_persistent_workers_keep_exact_resume() -> None:
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 def test_resolve_num_workers(monkeypatch) -> None:
     from kdrun.errors import ConfigError
-    from kdrun.tasks.data import pipeline
+    from kdrun.tasks.data import batches as pipeline
 
     monkeypatch.setattr(pipeline, "_available_cpus", lambda: 16)
     assert pipeline.resolve_num_workers("auto", "cpu") == 0

@@ -180,7 +180,7 @@ def test_amp_corpus_heldout_loss_runs_the_objective_in_fp32_outside_autocast(run
     from kdrun.engine.trainer import to_device
     from kdrun.models.features import extract_features
     from kdrun.strategies.general.evaluate import heldout_losses
-    from kdrun.tasks.data.pipeline import make_loader
+    from kdrun.tasks.data.batches import make_loader
     from tests.test_amp import session_parts
     from tests.test_general import corpus_args, write_corpus
 

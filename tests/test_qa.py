@@ -310,7 +310,7 @@ def test_every_objective_steps_on_qa_windows(objective: str, squad_file: Path, t
     from kdrun.models.features import extract_features
     from kdrun.models.loading import describe
     from kdrun.models.mapping import MappingSpec
-    from kdrun.tasks.data.pipeline import Collator
+    from kdrun.tasks.data.batches import Collator
     from kdrun.tasks.qa.squad import load_qa_data
     from kdrun.tasks.qa.windows import windows_split
 

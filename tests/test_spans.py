@@ -259,7 +259,7 @@ def _pair_data():
 
 
 def test_tokenize_splits_spans_collate_and_cache(tokenizer, tmp_path: Path, monkeypatch) -> None:
-    from kdrun.tasks.data.pipeline import Collator, make_loader, tokenize_splits
+    from kdrun.tasks.data.batches import Collator, make_loader, tokenize_splits
 
     ext = SpanExtractor(tokenizer, STUB)
     dsd = _pair_data()

@@ -220,7 +220,7 @@ def test_ddp_logged_throughput_counts_every_process(tmp_path: Path) -> None:
 
 
 def test_ddp_num_workers_auto_shares_the_node_cores_among_its_processes(monkeypatch) -> None:
-    import kdrun.tasks.data.pipeline as P
+    import kdrun.tasks.data.batches as P
 
     monkeypatch.setattr(P, "_available_cpus", lambda: 16)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

@@ -52,7 +52,7 @@ def test_stored_features_equal_the_live_teachers(run_cfg, cache_dir: Path, tmp_p
     from kdrun.engine.teacher_store import StoreCollator, StoreReader
     from kdrun.models.features import extract_features
     from kdrun.models.loading import load_classifier
-    from kdrun.tasks.data.pipeline import make_loader
+    from kdrun.tasks.data.batches import make_loader
 
     quiet_run(run_cfg(*TINYBERT, "teacher.store=on", "teacher.store_dtype=fp32"), tmp_path / "r")
     entry = next(e for e in entries(cache_dir) if "qkv" in StoreReader(e).meta["kinds"])
@@ -61,7 +61,7 @@ def test_stored_features_equal_the_live_teachers(run_cfg, cache_dir: Path, tmp_p
     teacher_dir = str(next((cache_dir / "teachers").glob("*/model")))
     teacher = load_classifier(teacher_dir, 2).eval()
     from kdrun.models.loading import load_tokenizer
-    from kdrun.tasks.data.pipeline import Collator, tokenize_splits
+    from kdrun.tasks.data.batches import Collator, tokenize_splits
     from kdrun.tasks.data.sources import load_task_data
 
     cfg = run_cfg(*TINYBERT)

@@ -171,7 +171,7 @@ def _augmented_data(cfg: DictConfig, train_raw, tokenizer, tok_hash: str, span_e
     import datasets as hf_datasets
 
     from kdrun.strategies.augment import get_augmented
-    from kdrun.tasks.data.pipeline import tokenize_splits
+    from kdrun.tasks.data.batches import tokenize_splits
 
     aug_raw, aug_info = get_augmented(cfg.augmentation, train_raw, cfg.task.name, cfg.cache_dir,
                                       device=cfg.train.device)

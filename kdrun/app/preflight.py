@@ -48,7 +48,7 @@ def preflight(cfg: DictConfig) -> RunPlan:
     _plan_augmentation(cfg, plans)
     if cfg.resume not in (True, False, "wait"):
         raise ConfigError(f"resume={cfg.resume!r} must be true, false or wait")
-    from kdrun.tasks.data.pipeline import resolve_num_workers
+    from kdrun.tasks.data.batches import resolve_num_workers
 
     resolve_num_workers(cfg.train.num_workers, "cpu")  # names train.num_workers when it is neither auto nor >= 0
     # The closed sets of choices (train.device, train.precision, objective.balance, teacher.dtype,

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from kdrun.engine.parts import RunParts
+from kdrun.engine.run_parts import RunParts
 from kdrun.errors import ConfigError, UserError
 from kdrun.runtime.cache import manifest_problem, recover_dir, staging_dir, write_json_atomic, write_manifest
 

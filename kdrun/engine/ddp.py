@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from kdrun.engine.objective import Objective, StagePlan
-from kdrun.engine.parts import RunParts
+from kdrun.engine.run_parts import RunParts
 
 
 def _average_objective_grads(objective: Objective, world_size: int) -> None:

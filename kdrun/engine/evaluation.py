@@ -11,9 +11,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from kdrun.engine.objective import StagePlan
-from kdrun.engine.parts import RunParts
+from kdrun.engine.run_parts import RunParts
 from kdrun.models.features import model_inputs, output_logits
-from kdrun.tasks.data.pipeline import make_loader
+from kdrun.tasks.data.batches import make_loader
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

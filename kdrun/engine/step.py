@@ -21,7 +21,7 @@ from kdrun.engine.evaluation import LogitTable
 from kdrun.engine.grad_shares import grad_share_logs
 from kdrun.engine.meters import FiniteWatch, _Meter
 from kdrun.engine.objective import StagePlan
-from kdrun.engine.parts import RunParts
+from kdrun.engine.run_parts import RunParts
 from kdrun.models.features import Features, extract_features
 from kdrun.runtime.syncs import host_section
 

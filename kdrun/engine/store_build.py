@@ -114,7 +114,7 @@ def build_store(tmp: Path, teacher: torch.nn.Module, ds: Any, lengths: np.ndarra
     own forward time per row (synchronised, without the host copies and writes)."""
     from tqdm.auto import tqdm
 
-    from kdrun.tasks.data.pipeline import make_loader
+    from kdrun.tasks.data.batches import make_loader
 
     ids = row_ids(ds) if ids is None else ids
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)

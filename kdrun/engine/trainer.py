@@ -36,7 +36,7 @@ from kdrun.engine.grad_shares import grad_share_logs
 from kdrun.engine.meters import FiniteWatch, TrainingDiverged, _Meter
 from kdrun.engine.objective import StagePlan
 from kdrun.engine.optim import build_optimizer, build_scheduler, stage_optim
-from kdrun.engine.parts import RunParts
+from kdrun.engine.run_parts import RunParts
 from kdrun.engine.step import (
     PlainStep,
     StageLoop,
@@ -51,7 +51,7 @@ from kdrun.engine.step import (
 from kdrun.engine.strategies import strategy_of
 from kdrun.runtime.preemption import Interrupted
 from kdrun.runtime.syncs import host_section
-from kdrun.tasks.data.pipeline import make_loader, resolve_num_workers
+from kdrun.tasks.data.batches import make_loader, resolve_num_workers
 
 
 class SimulatedInterrupt(Interrupted):

@@ -2,7 +2,7 @@
 score (regression, ``task.num_labels=1``) — GLUE and anything in its layout.
 
 Rows come from the toy generator, csv/json files, GLUE TSV directories or the hub
-(kdrun/tasks/data/sources.py), are tokenised by kdrun/tasks/data/pipeline.py and scored by the
+(kdrun/tasks/data/sources.py), are tokenised by kdrun/tasks/data/batches.py and scored by the
 local GLUE metric module (kdrun/tasks/metrics/).
 """
 
@@ -58,7 +58,7 @@ class LabelledKind(TaskKind):
         raise NotImplementedError
 
     def collator(self, tokenizer: Any, task: Any, pad_to_max_length: bool) -> Any:
-        from kdrun.tasks.data.pipeline import Collator
+        from kdrun.tasks.data.batches import Collator
 
         return Collator(tokenizer.pad_token_id, task.num_labels == 1,
                         pad_to=task.max_seq_length if pad_to_max_length else None)
@@ -81,12 +81,12 @@ class ClassificationKind(LabelledKind):
         return load_task_data(task, seed)
 
     def tokenize(self, raw: Any, tokenizer: Any, task: Any) -> Any:
-        from kdrun.tasks.data.pipeline import tokenize_splits
+        from kdrun.tasks.data.batches import tokenize_splits
 
         return tokenize_splits(raw, tokenizer, task.max_seq_length)
 
     def tokenize_cached(self, raw: Any, tokenizer: Any, task: Any, spans: Any, cache_dir: str, key: str) -> Any:
-        from kdrun.tasks.data.pipeline import tokenize_splits
+        from kdrun.tasks.data.batches import tokenize_splits
 
         return tokenize_splits(raw, tokenizer, task.max_seq_length, spans=spans, span_splits=[task.train_split],
                                cache_dir=cache_dir, cache_key=key)

@@ -98,7 +98,7 @@ class AdaptiveStage:
 # ----------------------------------------------------------------------------------------- setup
 
 def _importance_batches(parts, a: dict[str, Any]):
-    from kdrun.tasks.data.pipeline import make_loader
+    from kdrun.tasks.data.batches import make_loader
 
     split = a["importance_data"]
     if split == "train":

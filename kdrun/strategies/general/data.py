@@ -87,9 +87,9 @@ class CorpusCollator:
         return self.mask_token_id is not None
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        # One tensor per key for the whole batch (kdrun.tasks.data.pipeline.pad_rows); only the masks are
+        # One tensor per key for the whole batch (kdrun.tasks.data.batches.pad_rows); only the masks are
         # drawn row by row, each from its segment's own generator.
-        from kdrun.tasks.data.pipeline import pad_rows
+        from kdrun.tasks.data.batches import pad_rows
 
         n = len(rows)
         seqs = [r["input_ids"] for r in rows]

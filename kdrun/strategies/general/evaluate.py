@@ -15,7 +15,7 @@ def heldout_losses(parts: Any, model: Any, stage: int | None = None) -> dict[str
     (the kept model is selected on it). Lower is better; the trainer negates ``distill_loss`` to select."""
     from kdrun.engine.trainer import to_device
     from kdrun.models.features import extract_features
-    from kdrun.tasks.data.pipeline import make_loader
+    from kdrun.tasks.data.batches import make_loader
 
     acc = parts.accelerator
     objective = parts.objective

@@ -1,4 +1,4 @@
-"""Tokenisation, length-grouped batching and dynamic padding.
+"""Tokenisation, length-grouped batching and dynamic padding: from tokenised rows to the batches a stage trains on.
 
 Batches are padded to their own longest example, not to ``max_seq_length``; examples of similar
 length are grouped (shuffled mega-batches sorted by length, batch order shuffled) so padding stays
