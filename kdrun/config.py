@@ -487,7 +487,9 @@ def _one_minus(x: float) -> float:
     return 1.0 - float(x)
 
 
-def _mul(*xs: float) -> float:
+def multiply(*xs: float) -> float:
+    """The factors' product, multiplied in order from 1.0: the ``kd.mul`` resolver of the configs, and
+    the weights of a loss-term group's terms (kdrun.losses.ckd), so both give the same bits."""
     out = 1.0
     for x in xs:
         out *= float(x)
@@ -570,6 +572,8 @@ def _ensure_dir(path: str) -> str:
 
 
 STAGE_STRATEGIES_GROUP = "kdrun.stage_strategies"
+# The config group that types an objective's stages: ``none`` (plain) or a stage option's key.
+STAGE_STRATEGY_GROUP = "stage_strategy"
 # The stage options of registered stage strategies (kdrun/engine/strategies.py): key -> dataclass.
 _STAGE_OPTIONS: dict[str, type] = {}
 _REGISTERED = False
@@ -598,21 +602,9 @@ def stage_option_keys() -> list[str]:
     return sorted(_STAGE_OPTIONS)
 
 
-def schema() -> type:
-    """The root schema (its objective's stages typed by the group ``stage_strategy``)."""
-    return KdrunConfig
-
-
-def objective_schema(key: str | None = None) -> type:
-    """The objective's schema with plain stages (``key`` None), or with stages that carry the
-    registered stage option ``key``."""
-    return ObjectiveConfig if key is None else _extended(key)[1]
-
-
 # The extended classes are named in this module (and found again through its __getattr__), so a
 # config that holds them pickles by reference and unpickles in a fresh process: a submitit or SLURM
 # job receives Hydra's config store with them in it.
-STAGE_STRATEGY_GROUP = "stage_strategy"
 _EXTENDED_PREFIXES = ("ExtendedStageConfig_", "ExtendedObjectiveConfig_")
 _EXTENDED: dict[tuple[str, int], tuple[type, type]] = {}
 
@@ -642,10 +634,10 @@ def __getattr__(name: str) -> Any:
 
 def _store_schema() -> None:
     cs = ConfigStore.instance()
-    cs.store(name="kdrun_schema", node=schema())
-    cs.store(group=STAGE_STRATEGY_GROUP, name="none", node=objective_schema(), package="objective")
+    cs.store(name="kdrun_schema", node=KdrunConfig)
+    cs.store(group=STAGE_STRATEGY_GROUP, name="none", node=ObjectiveConfig, package="objective")
     for key in _STAGE_OPTIONS:
-        cs.store(group=STAGE_STRATEGY_GROUP, name=key, node=objective_schema(key), package="objective")
+        cs.store(group=STAGE_STRATEGY_GROUP, name=key, node=_extended(key)[1], package="objective")
 
 
 def _import_stage_strategies() -> None:
@@ -664,7 +656,7 @@ def register_configs() -> None:
     _import_stage_strategies()
     _store_schema()
     _REGISTERED = True
-    for name, fn in (("kd.one_minus", _one_minus), ("kd.mul", _mul), ("kd.hash", _short_hash),
+    for name, fn in (("kd.one_minus", _one_minus), ("kd.mul", multiply), ("kd.hash", _short_hash),
                      ("kd.ensure_dir", _ensure_dir), ("kd.non_identity_keys", non_identity_override_keys)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

@@ -233,15 +233,16 @@ def fine_tune_teacher(out: Path, new_model: Callable[[], Any], cfg: Any, acceler
     # entry), so this is never data-parallel.
     model = accelerator.prepare_model(new_model()) if accelerator.num_processes == 1 else \
         new_model().to(accelerator.device)
-    plan = finetune_plan(ft, kind_of(task).finetune_loss)
+    kind = kind_of(task)
+    plan = finetune_plan(ft, kind.finetune_loss)
     parts = RunParts(
         accelerator=accelerator, student=model, teacher=None,
         objective=Objective([plan], [], task.num_labels, M.describe(model), None),
         train_data=train_data, eval_data=eval_data,
-        collator=kind_of(task).collator(tokenizer, task, ttcfg.pad_to_max_length),
-        metric_fn=kind_of(task).metric_fn(task, eval_data), main_metric=task.main_metric, train_cfg=ttcfg,
+        collator=kind.collator(tokenizer, task, ttcfg.pad_to_max_length),
+        metric_fn=kind.metric_fn(task, eval_data), main_metric=task.main_metric, train_cfg=ttcfg,
         tracker=Tracker(out, OmegaConf.create({"name": "none"}), {}, "teacher", enabled=False),
-        run_dir=out, config_hash="teacher", kind=kind_of(task),
+        run_dir=out, config_hash="teacher", kind=kind,
     )
     print(f"[kdrun] fine-tuning the teacher ({cfg.teacher.name}) on {task.name} ({len(train_data)} training rows)")
     with teacher_accelerator(accelerator, ttcfg.gradient_accumulation_steps):

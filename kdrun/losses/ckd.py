@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kdrun.config import multiply
 from kdrun.losses.registry import LossContext, Params, param, positive, register_loss, register_term_group
 from kdrun.losses.relations import LOSSES, PHIS, REDUCTIONS, angle_loss, pair_loss
 from kdrun.models.features import Features, fp32
@@ -229,24 +230,16 @@ class RelationsParams(_Common):
     window_angle: int | None = param(None, check=_window)
 
 
-def _product(*xs: float) -> float:
-    """The factors' product, multiplied in order from 1.0 (as the configs' ``kd.mul`` resolver)."""
-    out = 1.0
-    for x in xs:
-        out *= float(x)
-    return out
-
-
 def expand_relations(weight: float, p: RelationsParams) -> list[tuple[str, float, dict]]:
     """The four terms of a ``ckd_relations`` entry: (name, weight, parameters)."""
     common = {"huber_beta": p.huber_beta, "reduction": p.reduction}
     pair = {**common, "phi": p.pair_phi, "normalize": p.pair_normalize, "loss": p.pair_loss}
     angle = {**common, "loss": p.angle_loss}
     lambda_ltr = p.lambda_wr if p.lambda_ltr is None else p.lambda_ltr
-    return [("ckd_wr_pair", _product(weight, p.wr, p.wr_pair), {**pair, "window": p.window_pair}),
-            ("ckd_wr_angle", _product(weight, p.wr, p.lambda_wr, p.wr_angle), {**angle, "window": p.window_angle}),
-            ("ckd_ltr_pair", _product(weight, p.ltr, p.ltr_pair), pair),
-            ("ckd_ltr_angle", _product(weight, p.ltr, lambda_ltr, p.ltr_angle), angle)]
+    return [("ckd_wr_pair", multiply(weight, p.wr, p.wr_pair), {**pair, "window": p.window_pair}),
+            ("ckd_wr_angle", multiply(weight, p.wr, p.lambda_wr, p.wr_angle), {**angle, "window": p.window_angle}),
+            ("ckd_ltr_pair", multiply(weight, p.ltr, p.ltr_pair), pair),
+            ("ckd_ltr_angle", multiply(weight, p.ltr, lambda_ltr, p.ltr_angle), angle)]
 
 
 register_term_group("ckd_relations", RelationsParams, expand_relations)

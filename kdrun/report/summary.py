@@ -37,6 +37,3 @@ def print_summary(summary: dict[str, Any]) -> None:
     else:
         print("\nteacher: none (the objective uses no teacher)")
     print(f"wall time {t['total_s']:.1f}s (teacher {t['teacher_s']:.1f}s, distillation {t['stages_s']:.1f}s)")
-
-
-# ------------------------------------------------------------------------------------------ phases

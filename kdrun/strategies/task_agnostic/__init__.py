@@ -13,4 +13,4 @@ from kdrun.strategies.general import *  # noqa: F401,F403  (the package's names,
 deprecated("the package kdrun.strategies.task_agnostic", "kdrun.strategies.general")
 for _old, _new in (("kind", "kind"), ("data", "data"), ("evaluate", "evaluate"), ("models", "models"),
                    ("probe", "cli")):
-    sys.modules[f"{__name__}.{_old}"] = importlib.import_module(f"kdrun.strategies.general.{_new}")
+    globals()[_old] = sys.modules[f"{__name__}.{_old}"] = importlib.import_module(f"kdrun.strategies.general.{_new}")
