@@ -157,3 +157,13 @@ def test_report_shows_smaller_and_faster_and_plots_the_front(tmp_path: Path, cap
     assert float(rows["ckd"]["x_smaller"]) == 2.5 and float(rows["ckd"]["student_latency_ms"]) == 3.0
     assert rows["logit"]["x_faster"] == ""
     assert (tmp_path / "out" / "pareto.png").stat().st_size > 0
+
+
+def test_ratios_below_one_are_said_the_other_way_round() -> None:
+    """A student saved in fp32 beside an fp16 teacher is larger on disk: "1.4× larger", never "0.7× smaller"."""
+    from kdrun.report.cost import times
+
+    assert times(2.0, "smaller", "larger") == "2.0× smaller"
+    assert times(1.0, "faster", "slower") == "1.0× faster"
+    assert times(0.7, "smaller", "larger") == "1.4× larger"
+    assert times(0.5, "faster", "slower") == "2.0× slower"

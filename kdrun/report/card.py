@@ -134,9 +134,12 @@ def _cost_rows(cost: Mapping[str, Any] | None) -> list[str]:
                         f"({c['dtype']}) | {c['latency_ms']:.2f} ms | {c['throughput_rows_s']:,.0f} rows/s |")
     r = cost.get("ratios")
     if r:
-        rows += ["", f"The student is {r['smaller']:.1f}× smaller (parameters), {r['smaller_size']:.1f}× smaller on "
-                     f"disk and {r['faster']:.1f}× faster (latency) than the teacher, with {r['throughput']:.1f}× its "
-                     "throughput."]
+        from kdrun.report.cost import times
+
+        rows += ["", f"The student is {times(r['smaller'], 'smaller', 'larger')} (parameters), "
+                     f"{times(r['smaller_size'], 'smaller', 'larger')} on disk and "
+                     f"{times(r['faster'], 'faster', 'slower')} (latency) than the teacher, with "
+                     f"{r['throughput']:.1f}× its throughput."]
     return rows
 
 

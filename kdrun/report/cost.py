@@ -219,6 +219,13 @@ def cost_lines(cost: Mapping[str, Any] | None) -> list[str]:
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     r = cost.get("ratios")
     if r:
-        lines.append(f"student vs teacher: {r['smaller']:.1f}× smaller (parameters), {r['smaller_size']:.1f}× "
-                     f"smaller on disk, {r['faster']:.1f}× faster (latency), {r['throughput']:.1f}× the throughput")
+        lines.append(f"student vs teacher: {times(r['smaller'], 'smaller', 'larger')} (parameters), "
+                     f"{times(r['smaller_size'], 'smaller', 'larger')} on disk, "
+                     f"{times(r['faster'], 'faster', 'slower')} (latency), {r['throughput']:.1f}× the throughput")
     return lines
+
+
+def times(ratio: float, more: str, less: str) -> str:
+    """A teacher / student ratio in words: ``2.0× smaller`` at 2, ``1.4× larger`` at 0.7 (never
+    "0.7× smaller", e.g. a student saved in fp32 beside an fp16 teacher)."""
+    return f"{ratio:.1f}× {more}" if ratio >= 1 else f"{1 / ratio:.1f}× {less}"
