@@ -209,18 +209,19 @@ def precisions_for(device: str) -> list[str]:
     return ["no", "bf16", "fp16"]
 
 
-def objective_models(cfg: Any) -> tuple[list[Any], dict[str, Any]]:
-    """The objective's stages, tiny random teacher and student, and its loss module (seeded)."""
+def objective_models(cfg: Any, teacher_shape: Shape = TINY_TEACHER, student_shape: Shape = TINY_STUDENT,
+                     vocab: int = 100) -> tuple[list[Any], dict[str, Any]]:
+    """The objective's stages, random teacher and student (tiny by default), and its loss module (seeded)."""
     from kdrun.engine.objective import Objective, plan_stages
     from kdrun.engine.strategies import strategies_used
     from kdrun.models.loading import describe
     from kdrun.models.mapping import MappingSpec
 
     plans = plan_stages(cfg.objective)
-    teacher = bert(TINY_TEACHER, 100, seed=1)
+    teacher = bert(teacher_shape, vocab, seed=1)
     # a stage strategy may train the teacher's own copy (e.g. at several widths and depths)
     copies = any(s.student_is_teacher_copy for s in strategies_used(plans))
-    student = copy.deepcopy(teacher) if copies else bert(TINY_STUDENT, 100, seed=2)
+    student = copy.deepcopy(teacher) if copies else bert(student_shape, vocab, seed=2)
     set_attention(teacher, plans, "teacher")
     set_attention(student, plans, "student")
     torch.manual_seed(3)
@@ -245,6 +246,41 @@ def step_results(cfg: Any, device: str, precisions: list[str], run_dir: Path) ->
                                      FP16_RETRIES if prec == "fp16" else 0))
         out[prec] = rows
     return out
+
+
+@dataclass(frozen=True)
+class OpsSetup:
+    """The shape an op count is taken at: the papers' (a BERT-base teacher, a 4x312 student, 32x128)."""
+
+    teacher: Shape = BERT_BASE
+    student: Shape = STUDENT_4_312
+    batch: int = 32
+    tokens: int = 128
+    vocab: int = 30522
+
+
+QUICK_OPS = OpsSetup(QUICK_TEACHER, Shape(2, 64, 4, 128), 4, 16, 100)  # tiny (tests, --fast); widths / 64
+
+
+def step_ops(cfg: Any, setup: OpsSetup = OpsSetup(), stage: int = 0, device: str = "cpu", chunks: str = "cuda"):
+    """The ATen ops (kdrun.runtime.ops.OpCounter) of one eager fp32 training step of the objective's
+    ``stage`` through kdrun's engine (EngineStep: forward passes, backward, optimizer step; gradient-norm
+    recording off), counted on the second step so the optimizer's lazy state is not in it. The angle
+    kernel chunks its work as on ``chunks`` (default cuda: the launches of a GPU step, whatever runs it)."""
+    from kdrun.engine.trainer import to_device
+    from kdrun.losses.angle_kernel import chunked_as
+    from kdrun.runtime.ops import OpCounter
+
+    plans, models = objective_models(cfg, setup.teacher, setup.student, setup.vocab)
+    with tempfile.TemporaryDirectory(prefix="kdrun-ops-") as tmp:
+        step = EngineStep(models, plans[stage], "no", device, cfg.train, Path(tmp), record_grads=False)
+        batch = to_device(fixed_batch(setup.batch, setup.tokens, setup.vocab), step.parts.accelerator.device)
+        torch.manual_seed(0)
+        with chunked_as(chunks):
+            step(batch)
+            with OpCounter() as ops:
+                step(batch)
+    return ops
 
 
 def rel_diff(got: float, ref: float) -> float:

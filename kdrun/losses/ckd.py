@@ -9,8 +9,9 @@ and each can be turned off from the command line (``conf/objective/ckd.yaml``)::
 
 Word relation (WR): relations among the tokens of a sentence, computed per aligned layer pair
 ``ctx.layer_pairs`` (the mapping group; ``uniform`` = CKD's gcd alignment with embeddings) and
-summed over layer pairs; each layer's value is the mean over the batch's valid token pairs /
-triples (optionally within a locality window δ).
+summed over layer pairs (all pairs in one call: the layers are stacked along the batch); each
+layer's value is the mean over the batch's valid token pairs / triples (optionally within a locality
+window δ).
 
 Reduction (every term's ``reduction`` parameter): ``mean`` as described here; ``official`` is the
 scale of the authors' GLUE training code (Park et al., 2021), which its per-task weights were tuned
@@ -120,6 +121,19 @@ def _layer_reduce(total: torch.Tensor, n_layers: int, reduction: str) -> torch.T
     return total / n_layers if reduction == "official" else total
 
 
+def _stacked_layers(hs: tuple[torch.Tensor, ...], ht: tuple[torch.Tensor, ...],
+                    layer_pairs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The aligned layers stacked: student (l, B, n, ds) and teacher (l, B, n, dt), fp32 (fp64 kept).
+
+    The word relation of every layer pair is then one call of the relation kernels, which sum the
+    stacked layers' values (every layer shares the batch's mask).
+    """
+    xs = torch.stack([fp32(hs[si]) for si, _ in layer_pairs])
+    with torch.no_grad():
+        xt = torch.stack([fp32(ht[ti]) for _, ti in layer_pairs])
+    return xs, xt
+
+
 def _token_layer_points(hidden: tuple[torch.Tensor, ...], layers: list[int],
                         mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's representations at ``layers``: points (B*n, l, d) and their validity (B*n, l).
@@ -146,10 +160,9 @@ def ckd_wr_pair(s: Features, t: Features, batch, ctx: LossContext, p: WRPairPara
     no padding) per layer; ``kl``: mean over valid rows.
     """
     hs, ht, mask = _hidden(s, t, ctx, "ckd_wr_pair")
-    total = hs[0].new_zeros((), dtype=torch.float32)
-    for si, ti in ctx.layer_pairs:
-        total = total + pair_loss(hs[si], ht[ti], mask, phi=p.phi, normalize=p.normalize, loss=p.loss,
-                                  window=p.window, huber_beta=p.huber_beta, reduction=p.reduction)
+    xs, xt = _stacked_layers(hs, ht, ctx.layer_pairs)
+    total = pair_loss(xs, xt, mask, phi=p.phi, normalize=p.normalize, loss=p.loss, window=p.window,
+                      huber_beta=p.huber_beta, reduction=p.reduction)
     return _layer_reduce(total, len(ctx.layer_pairs), p.reduction)
 
 
@@ -161,10 +174,8 @@ def ckd_wr_angle(s: Features, t: Features, batch, ctx: LossContext, p: WRAnglePa
     Mean over the batch's valid triples per layer (``kl``: over (j, i) rows, softmax over k).
     """
     hs, ht, mask = _hidden(s, t, ctx, "ckd_wr_angle")
-    total = hs[0].new_zeros((), dtype=torch.float32)
-    for si, ti in ctx.layer_pairs:
-        total = total + angle_loss(hs[si], ht[ti], mask, loss=p.loss, window=p.window, huber_beta=p.huber_beta,
-                                   reduction=p.reduction)
+    xs, xt = _stacked_layers(hs, ht, ctx.layer_pairs)
+    total = angle_loss(xs, xt, mask, loss=p.loss, window=p.window, huber_beta=p.huber_beta, reduction=p.reduction)
     return _layer_reduce(total, len(ctx.layer_pairs), p.reduction)
 
 

@@ -51,6 +51,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from kdrun.losses.angle_kernel import CHUNK_ELEMS, MASKED_LOGIT, AngleLoss, cosines
 from kdrun.models.features import no_autocast
 from kdrun.runtime.precision import exact_fp32_matmul
 
@@ -59,14 +60,6 @@ LOSSES = ("mse", "l1", "huber", "kl")
 # How summed matching losses become a scalar: "mean" over the valid entries (rows for kl), or the
 # official CKD code's pooled count, degenerate entries and window slots included (official_count).
 REDUCTIONS = ("mean", "official")
-# Row entries outside the valid set get this logit before a softmax: exp() underflows to exactly 0
-# while everything stays finite (so no 0 * inf in forward or backward).
-_MASKED_LOGIT = -1e9
-# Elements per chunk of the angle kernel: ~1 MiB of fp32 on CPU (stays in cache), 64 MiB on GPUs
-# (enough work per kernel launch). Peak extra memory is a handful of chunks.
-CHUNK_ELEMS = {"cpu": 1 << 18, "cuda": 1 << 24}
-
-
 # ------------------------------------------------------------------------------------------ helpers
 
 def _check_reduction(reduction: str) -> None:
@@ -96,20 +89,27 @@ def _tiny(dtype: torch.dtype) -> float:
     return math.sqrt(torch.finfo(dtype).tiny)
 
 
-def center(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``x`` (P, n, d) minus the mean of each set's valid points; invalid points set to 0.
+def valid_points(mask: torch.Tensor) -> torch.Tensor:
+    """(P, n) validity -> (P, 1, 1) integer count of each set's valid points (at least 1)."""
+    return mask.bool().sum(-1)[..., None, None].clamp_min(1)
 
-    Uses ``where`` rather than multiplying by the mask, so whatever padding holds (even inf/NaN)
-    cannot leak into the relations.
+
+def center(x: torch.Tensor, mask: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` (..., P, n, d) minus the mean of each set's valid points; invalid points set to 0.
+
+    Leading dims before P are stacked layers that share ``mask`` (P, n); ``count``: its
+    :func:`valid_points`, when the caller shares them between several calls. Uses ``where``
+    rather than multiplying by the mask, so whatever padding holds (even inf/NaN) cannot leak into
+    the relations.
     """
     m = mask.bool().unsqueeze(-1)
     x = torch.where(m, x, torch.zeros_like(x))
-    mean = x.sum(-2, keepdim=True) / m.sum(-2, keepdim=True).clamp_min(1).to(x.dtype)
+    mean = x.sum(-2, keepdim=True) / (valid_points(mask) if count is None else count)
     return torch.where(m, x - mean, torch.zeros_like(x))
 
 
 def gram(x: torch.Tensor) -> torch.Tensor:
-    """(P, n, d) -> (P, n, n) inner products."""
+    """(..., n, d) -> (..., n, n) inner products."""
     return x @ x.transpose(-1, -2)
 
 
@@ -148,33 +148,42 @@ def pair_relation(
     phi ``cosine``: cosine similarity <r_i, r_j> / (||r_i|| ||r_j||) (0 for a zero vector).
     Entries outside ``valid`` are 0.
     """
+    _check_phi(phi, normalize)
+    with full_precision(x.device):
+        valid = pair_mask(mask, window)
+        return _relation(x.to(relation_dtype(x)), mask, valid, phi, normalize), valid
+
+
+def _check_phi(phi: str, normalize: bool) -> None:
     if phi not in PHIS:
         raise ValueError(f"pair relation phi='{phi}' must be one of {PHIS}")
     if normalize and phi != "l2":
         raise ValueError("normalize=true applies to distances (phi=l2), not to cosine similarities")
-    dt = relation_dtype(x)
-    with full_precision(x.device):
-        x = x.to(dt)
-        valid = pair_mask(mask, window)
-        if phi == "l2":
-            g = gram(center(x, mask))
-            d = g.diagonal(dim1=-2, dim2=-1)
-            s = d[..., :, None] + d[..., None, :]
-            sq = s - 2.0 * g
-            ok = valid & (sq > _tol(dt) * s + _tiny(dt))
-            rel = _safe_sqrt(sq, ok)
-            if normalize:
-                cnt = valid.sum((-1, -2)).clamp_min(1).to(dt)
-                mean = rel.sum((-1, -2)) / cnt
-                rel = rel / mean.clamp_min(_tiny(dt))[..., None, None]
-        else:
-            x = torch.where(mask.bool().unsqueeze(-1), x, torch.zeros_like(x))
-            g = gram(x)
-            d = g.diagonal(dim1=-2, dim2=-1)
-            inv = _safe_rsqrt(d, d > _tiny(dt))
-            rel = (g * inv[..., :, None] * inv[..., None, :]).clamp(-1.0, 1.0)
-            rel = torch.where(valid, rel, torch.zeros_like(rel))
-    return rel, valid
+
+
+def _relation(x: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor, phi: str, normalize: bool,
+              count: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`pair_relation`'s matrix of ``x`` (..., P, n, d) given the pairs' ``valid`` (P, n, n)
+    and the sets' :func:`valid_points` ``count`` (computed here when None)."""
+    dt = x.dtype
+    if phi == "l2":
+        g = gram(center(x, mask, count))
+        d = g.diagonal(dim1=-2, dim2=-1)
+        s = d[..., :, None] + d[..., None, :]
+        sq = s - 2.0 * g
+        ok = valid & (sq > _tol(dt) * s + _tiny(dt))
+        rel = _safe_sqrt(sq, ok)
+        if normalize:
+            cnt = valid.sum((-1, -2)).clamp_min(1).to(dt)
+            mean = rel.sum((-1, -2)) / cnt
+            rel = rel / mean.clamp_min(_tiny(dt))[..., None, None]
+        return rel
+    x = torch.where(mask.bool().unsqueeze(-1), x, torch.zeros_like(x))
+    g = gram(x)
+    d = g.diagonal(dim1=-2, dim2=-1)
+    inv = _safe_rsqrt(d, d > _tiny(dt))
+    rel = (g * inv[..., :, None] * inv[..., None, :]).clamp(-1.0, 1.0)
+    return torch.where(valid, rel, torch.zeros_like(rel))
 
 
 def _match_sum(rs: torch.Tensor, rt: torch.Tensor, valid: torch.Tensor, loss: str,
@@ -183,8 +192,8 @@ def _match_sum(rs: torch.Tensor, rt: torch.Tensor, valid: torch.Tensor, loss: st
     if loss not in LOSSES:
         raise ValueError(f"matching loss '{loss}' must be one of {LOSSES}")
     if loss == "kl":
-        ls = F.log_softmax(rs.masked_fill(~valid, _MASKED_LOGIT), dim=-1)
-        lt = F.log_softmax(rt.masked_fill(~valid, _MASKED_LOGIT), dim=-1)
+        ls = F.log_softmax(rs.masked_fill(~valid, MASKED_LOGIT), dim=-1)
+        lt = F.log_softmax(rt.masked_fill(~valid, MASKED_LOGIT), dim=-1)
         rows = valid.any(-1)
         kl = (lt.exp() * (lt - ls)).sum(-1)
         return (kl * rows).sum(), rows.sum()
@@ -227,13 +236,18 @@ def pair_loss(
 
     xs (P, n, ds) student points, xt (P, n, dt) teacher points, mask (P, n). Scalar: the summed
     loss divided by the batch's valid pairs (``kl``: its valid rows) with ``reduction="mean"``, or
-    by :func:`official_count` (order 2) with ``"official"``.
+    by :func:`official_count` (order 2) with ``"official"``. Stacked layers: xs (L, P, n, ds) and
+    xt (L, P, n, dt) sharing ``mask`` give the sum over the L layers of each one's value (the pairs'
+    validity and the sets' point counts computed once for all layers and both sides).
     """
     _check_reduction(reduction)
+    _check_phi(phi, normalize)
     with full_precision(xs.device):
-        rs, valid = pair_relation(xs, mask, phi, normalize, window)
+        valid = pair_mask(mask, window)
+        count = valid_points(mask) if phi == "l2" else None
+        rs = _relation(xs.to(relation_dtype(xs)), mask, valid, phi, normalize, count)
         with torch.no_grad():
-            rt, _ = pair_relation(xt, mask, phi, normalize, window)
+            rt = _relation(xt.to(relation_dtype(xt)), mask, valid, phi, normalize, count)
         total, count = _match_sum(rs, rt.to(rs.dtype), valid, loss, huber_beta)
         if reduction == "official":
             count = official_count(mask, window, 2)
@@ -265,149 +279,39 @@ def angle_pieces(
     inv[j, a] = 1 / ||r_a - r_j|| for a valid, non-degenerate neighbour, else 0,
     valid[j, a] (bool): the neighbour slot counts (index-wise; degenerate geometry still counts).
     """
-    P, n, _ = g.shape
-    dt = g.dtype
-    idx, w = _angle_layout(n, window, g.device)
-    d = g.diagonal(dim1=-2, dim2=-1)
+    layout = _angle_layout(g.shape[-1], window, g.device)
+    valid = angle_valid(mask, window, layout)
+    return (*angle_geometry(g, valid, layout), valid)
+
+
+def angle_valid(mask: torch.Tensor, window: int | None, layout) -> torch.Tensor:
+    """(P, n) validity -> (P, n, w): neighbour slot a of vertex j counts (``layout``: _angle_layout's)."""
+    idx, w = layout
+    n = mask.shape[-1]
     m = mask.bool()
-    ar = torch.arange(n, device=g.device)
+    ar = torch.arange(n, device=mask.device)
     if idx is None:
-        gj = g
-        h = d[:, None, :].expand(P, n, n)
-        valid = m[:, :, None] & m[:, None, :] & (ar[:, None] != ar[None, :])
-        if window is not None:
-            valid = valid & ((ar[:, None] - ar[None, :]).abs() <= window)
+        valid = m[..., :, None] & m[..., None, :] & (ar[:, None] != ar[None, :])
+        return valid & ((ar[:, None] - ar[None, :]).abs() <= window) if window is not None else valid
+    inside = (idx >= 0) & (idx < n) & (idx != ar[:, None])
+    return m[..., :, None] & m[..., idx.clamp(0, n - 1)] & inside
+
+
+def angle_geometry(g: torch.Tensor, valid: torch.Tensor, layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`angle_pieces`' (c, inv) of ``g`` (..., P, n, n) given ``valid`` (P, n, w): leading dims
+    are stacked layers sharing the validity."""
+    idx, w = layout
+    n, dt = g.shape[-1], g.dtype
+    d = g.diagonal(dim1=-2, dim2=-1)
+    if idx is None:
+        gj, h = g, d[..., None, :].expand(g.shape)
     else:
-        inside = (idx >= 0) & (idx < n) & (idx != ar[:, None])
         idc = idx.clamp(0, n - 1)
-        gj = g.gather(2, idc.expand(P, n, w))
-        h = d[:, idc]
-        valid = m[:, :, None] & m[:, idc] & inside
-    s = d[:, :, None] + h
+        gj, h = g.gather(-1, idc.expand(*g.shape[:-1], w)), d[..., idc]
+    s = d[..., :, None] + h
     sq = s - 2.0 * gj
     ok = valid & (sq > _tol(dt) * s + _tiny(dt))
-    inv = _safe_rsqrt(sq, ok)
-    c = 0.5 * d[:, :, None] - gj
-    return c, inv, valid
-
-
-def _chunks(P: int, n: int, w: int, chunk_elems: int) -> Iterator[tuple[int, int, int, int]]:
-    """(p0, p1, j0, j1) blocks of (point set, vertex) whose (pc, jc, w, w) slab has ~chunk_elems."""
-    per_vertex = w * w
-    v = max(1, chunk_elems // per_vertex)
-    if v >= n:
-        pc = max(1, v // n)
-        for p0 in range(0, P, pc):
-            yield p0, min(P, p0 + pc), 0, n
-    else:
-        for p0 in range(P):
-            for j0 in range(0, n, v):
-                yield p0, p0 + 1, j0, min(n, j0 + v)
-
-
-def _cosines(H: torch.Tensor, c: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos[., j, a, b] = inv_a inv_b (H_ab + c_a + c_b), clamped to [-1, 1]; also the inv_a inv_b product."""
-    cos = H + c[..., :, None]
-    cos += c[..., None, :]
-    scale = inv[..., :, None] * inv[..., None, :]
-    cos *= scale
-    cos.clamp_(-1.0, 1.0)
-    return cos, scale
-
-
-def _chunk_loss(
-    cs: torch.Tensor, ct: torch.Tensor, valid: torch.Tensor, loss: str, beta: float, want_grad: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-    """Summed loss of one chunk, E = dLoss/dcos_s (mse: half of it), and whether E is symmetric.
-
-    ``ct`` is overwritten.
-    """
-    if loss == "kl":
-        vb = valid[..., None, :].expand_as(cs)
-        ls = F.log_softmax(cs.masked_fill(~vb, _MASKED_LOGIT), dim=-1)
-        lt = F.log_softmax(ct.masked_fill(~vb, _MASKED_LOGIT), dim=-1)
-        pt = lt.exp()
-        rows = valid.to(cs.dtype)
-        val = ((pt * (lt - ls)).sum(-1) * rows).sum()
-        e = (ls.exp() - pt) * rows[..., :, None] if want_grad else None
-        return val, e, False
-    diff = torch.sub(cs, ct, out=ct)  # ct is not needed any more
-    if loss == "mse":
-        flat = diff.reshape(-1)
-        return torch.dot(flat, flat), diff if want_grad else None, True
-    if loss == "l1":
-        return diff.abs().sum(), diff.sign() if want_grad else None, True
-    val = F.smooth_l1_loss(diff, torch.zeros_like(diff), reduction="sum", beta=beta)
-    return val, (diff.clamp(-beta, beta) / beta) if want_grad else None, True
-
-
-class _AngleLoss(torch.autograd.Function):
-    """Sum over valid triples of LD(psi_s, psi_t), chunked over vertices, gradient fused into forward.
-
-    Inputs are the student's Gram matrix and its per-vertex pieces (``angle_pieces``) and the
-    teacher's (no gradient). The forward sweeps (point set, vertex) chunks and, when a gradient is
-    wanted, accumulates dL/dG, dL/dc, dL/dinv right away, so nothing of size n^3 (or n w^2) outlives
-    a chunk and the backward pass only scales the stored (P, n, n) / (P, n, w) gradients.
-    """
-
-    @staticmethod
-    def forward(ctx, gs, c_s, inv_s, gt, c_t, inv_t, valid, window, loss, beta, chunk_elems, want):  # type: ignore[override]
-        P, n, w = c_s.shape
-        windowed = w < n
-        if windowed:
-            pad = window
-            side = n + 2 * pad
-            hs_src, ht_src = (F.pad(g, (pad, pad, pad, pad)) for g in (gs, gt))
-            # H[p, j, a, b] = Gpad[p, j + a, j + b]: a strided view, nothing gathered or copied.
-            stride = (side * side, side + 1, side, 1)
-            hs_all = hs_src.as_strided((P, n, w, w), stride)
-            ht_all = ht_src.as_strided((P, n, w, w), stride)
-            ar = torch.arange(w, device=gs.device)
-            flat_local = ar[:, None] * side + ar[None, :]  # (w, w) offsets from the vertex's corner
-            dg_pad = torch.zeros_like(hs_src) if want else None
-        else:
-            dg = torch.zeros_like(gs) if want else None
-        dc = torch.zeros_like(c_s) if want else None
-        dinv = torch.zeros_like(inv_s) if want else None
-        total = torch.zeros((), dtype=torch.float64, device=gs.device)  # no host sync per chunk
-        for p0, p1, j0, j1 in _chunks(P, n, w, chunk_elems):
-            if windowed:
-                hs, ht = hs_all[p0:p1, j0:j1], ht_all[p0:p1, j0:j1]
-            else:
-                hs, ht = gs[p0:p1, None], gt[p0:p1, None]
-            cos_s, scale = _cosines(hs, c_s[p0:p1, j0:j1], inv_s[p0:p1, j0:j1])
-            cos_t, _ = _cosines(ht, c_t[p0:p1, j0:j1], inv_t[p0:p1, j0:j1])
-            val, e, sym = _chunk_loss(cos_s, cos_t, valid[p0:p1, j0:j1], loss, beta, want)
-            total += val
-            if not want:
-                continue
-            f = e * scale  # dL/dH_ab = dL/dc.. = E_ab inv_a inv_b
-            ec = e.mul_(cos_s)  # dL/dinv_a = sum_b (E_ab + E_ba) cos_ab / inv_a
-            if sym:
-                dc[p0:p1, j0:j1] += 2.0 * f.sum(-1)
-                t = 2.0 * ec.sum(-1)
-            else:
-                dc[p0:p1, j0:j1] += f.sum(-1) + f.sum(-2)
-                t = ec.sum(-1) + ec.sum(-2)
-            ich = inv_s[p0:p1, j0:j1]
-            dinv[p0:p1, j0:j1] += t * torch.where(ich > 0, ich.reciprocal(), torch.zeros_like(ich))
-            if windowed:
-                corner = torch.arange(j0, j1, device=gs.device) * (side + 1)
-                index = (corner[:, None, None] + flat_local[None]).reshape(-1)
-                dg_pad[p0:p1].view(p1 - p0, -1).index_add_(1, index, f.reshape(p1 - p0, -1))
-            else:
-                dg[p0:p1] += f.sum(1)
-        if want:
-            if windowed:
-                dg = dg_pad[:, window:window + n, window:window + n].contiguous()
-            scale_mse = 2.0 if loss == "mse" else 1.0
-            ctx.save_for_backward(dg * scale_mse, dc * scale_mse, dinv * scale_mse)
-        return total.to(gs.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        dg, dc, dinv = ctx.saved_tensors
-        return (grad_out * dg, grad_out * dc, grad_out * dinv) + (None,) * 9
+    return 0.5 * d[..., :, None] - gj, _safe_rsqrt(sq, ok)
 
 
 def angle_loss(
@@ -428,7 +332,9 @@ def angle_loss(
     vertex. Either way in chunks of vertices: peak extra memory is O(P n^2 + chunk_elems)
     (``chunk_elems`` None: a per-device default). Scalar: the summed loss divided by the batch's
     valid triples (``kl``: its valid (vertex, point) rows, softmax over the third point) with
-    ``reduction="mean"``, or by :func:`official_count` (order 3) with ``"official"``.
+    ``reduction="mean"``, or by :func:`official_count` (order 3) with ``"official"``. Stacked
+    layers: xs (L, P, n, ds) and xt (L, P, n, dt) sharing ``mask`` give the sum over the L layers of
+    each one's value, computed in one sweep (validity and point counts once for all layers and sides).
     """
     _check_reduction(reduction)
     if loss not in LOSSES:
@@ -436,20 +342,26 @@ def angle_loss(
     if window is not None and window < 1:
         raise ValueError(f"window={window} must be >= 1 or null")
     dt = relation_dtype(xs)
+    n = mask.shape[-1]
     with full_precision(xs.device):
-        gs = gram(center(xs.to(dt), mask))
-        c_s, inv_s, valid = angle_pieces(gs, mask, window)
+        layout = _angle_layout(n, window, xs.device)
+        valid, points = angle_valid(mask, window, layout), valid_points(mask)
+        gs = gram(center(xs.to(dt), mask, points))
+        c_s, inv_s = angle_geometry(gs, valid, layout)
         with torch.no_grad():
-            gt = gram(center(xt.to(dt), mask))
-            c_t, inv_t, _ = angle_pieces(gt, mask, window)
+            gt = gram(center(xt.to(dt), mask, points))
+            c_t, inv_t = angle_geometry(gt, valid, layout)
         cnt = valid.sum(-1)
         count = cnt.sum() if loss == "kl" else (cnt * cnt).sum()
         if reduction == "official":
             count = official_count(mask, window, 3)
-        window_eff = window if c_s.shape[-1] < c_s.shape[1] else None
+        w = c_s.shape[-1]
+        window_eff = window if w < n else None
         want = torch.is_grad_enabled() and gs.requires_grad
-        total = _AngleLoss.apply(gs, c_s, inv_s, gt, c_t, inv_t, valid, window_eff, loss, float(huber_beta),
-                                 int(chunk_elems or CHUNK_ELEMS.get(xs.device.type, CHUNK_ELEMS["cuda"])), want)
+        flat = [t.reshape(-1, n, t.shape[-1]) for t in (gs, c_s, inv_s, gt, c_t, inv_t)]
+        stacked = valid.expand(*c_s.shape[:-3], *valid.shape).reshape(-1, n, w)
+        total = AngleLoss.apply(*flat, stacked, window_eff, loss, float(huber_beta),
+                                int(chunk_elems or CHUNK_ELEMS.get(xs.device.type, CHUNK_ELEMS["cuda"])), want)
         return total / count.clamp_min(1).to(dt)
 
 
@@ -462,5 +374,5 @@ def angle_matrix(x: torch.Tensor, mask: torch.Tensor, vertex: int) -> torch.Tens
     with torch.no_grad(), full_precision(x.device):
         g = gram(center(x.to(dt), mask))
         c, inv, _ = angle_pieces(g, mask, None)
-        cos, _ = _cosines(g, c[:, vertex], inv[:, vertex])
+        cos, _ = cosines(g, c[:, vertex], inv[:, vertex])
     return cos
