@@ -43,7 +43,7 @@ def _main(cfg: DictConfig) -> float | None:
     register_run()  # early: jobs started together all count each other when choosing threads
     _setup_submitit_distributed()
     try:
-        summary = run(cfg, run_dir)  # writes error.json when it fails
+        summary = run(cfg, run_dir, _hydra_files(cfg, hc))  # writes error.json when it fails
     except UserError as e:  # fixable from the message alone; anything else is a bug and keeps its traceback
         print(f"kdrun: error: {e}", file=sys.stderr)
         if multirun:  # the other jobs of the sweep still run; the sweep's exit status is 2
@@ -53,6 +53,14 @@ def _main(cfg: DictConfig) -> float | None:
     metrics = next(iter(summary["student"]["metrics"].values()))
     # The return value is what sweepers (Optuna) optimise: the task's main dev metric.
     return float(metrics[cfg.task.main_metric])
+
+
+def _hydra_files(cfg: DictConfig, hc: DictConfig) -> dict[str, str]:
+    """What Hydra keeps in ``.hydra/`` (its ``hydra.output_subdir``, off in kdrun's config): kdrun writes
+    it once, with a new run, after checking the directory's run (kdrun.app.identity)."""
+    return {"config.yaml": OmegaConf.to_yaml(cfg),
+            "hydra.yaml": OmegaConf.to_yaml({"hydra": OmegaConf.to_container(hc, resolve=False)}),
+            "overrides.yaml": OmegaConf.to_yaml(list(hc.overrides.task))}
 
 
 def _setup_submitit_distributed() -> None:
@@ -109,6 +117,8 @@ def _exit_for(error: Exception, full_traceback: bool) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    if isinstance(error, BrokenPipeError):  # the reader went away (kdrun ... | head) before kdrun printed all
+        _end_quietly(0)
     before_task = not _STATUS["started"]  # Hydra's own work: composing the config, the run directory
     user = _STATUS["user_error"] or (before_task and isinstance(error, (OSError, HydraException,
                                                                         OmegaConfBaseException)))
@@ -143,7 +153,41 @@ def stage_strategy_hint(message: str) -> str | None:
             f"(conf/objective/dynabert.yaml does), or stage_strategy={key} on the command line")
 
 
+def _end_quietly(status: int | str | None) -> None:
+    """End without a traceback when stdout is gone: a closed pipe ends with the status of a process
+    that SIGPIPE ended (141, as the shell reports ``yes | head -1``); another output error (a full
+    disk under ``kdrun ... > file``) with one line on stderr and status 1, unless the run already
+    failed with its own status. Returns when stdout works."""
+    from kdrun.runtime.logs import CONSOLE_LOST
+
+    lost = CONSOLE_LOST[0] if CONSOLE_LOST else None
+    try:
+        sys.stdout.flush()
+    except OSError as e:
+        lost = lost or e
+    if lost is None:
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit finds a working stdout
+    failed = status not in (0, None)
+    if isinstance(lost, BrokenPipeError):
+        sys.exit(status if isinstance(status, int) and failed else 141)
+    if not failed:
+        print(f"kdrun: error: the output could not be written ({lost.strerror}); the run itself is complete",
+              file=sys.stderr)
+    sys.exit(status if isinstance(status, int) and failed else 1)
+
+
 def main() -> None:
+    try:
+        _main_with_exit()
+    except SystemExit as e:
+        _end_quietly(e.code)
+        raise
+    _end_quietly(0)
+
+
+def _main_with_exit() -> None:
     full_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises; _exit_for reports
     if "KDRUN_SWEEP_NAME" not in os.environ:

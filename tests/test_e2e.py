@@ -104,7 +104,7 @@ def test_completed_run_is_not_redone(run_cfg, tmp_path: Path) -> None:
     n_logged = len((rd / "metrics.jsonl").read_text().splitlines())
     redo = run(run_cfg("objective=finetune", "resume=false"), rd)  # redone from scratch, same result
     assert redo["student"]["metrics"] == first["student"]["metrics"]
-    assert (rd / "results.previous.json").exists()
+    assert (next((rd / "previous").iterdir()) / "results.json").exists()  # the old run, moved aside
     assert len((rd / "metrics.jsonl").read_text().splitlines()) == n_logged  # a fresh log, not appended
 
 

@@ -18,18 +18,6 @@ from kdrun.engine.strategies import stage_identity
 from kdrun.runtime.cache import content_hash
 
 
-def _start_over(run_dir: Path) -> None:
-    """resume=false in a used run directory: keep the old result as results.previous.json, drop the
-    old checkpoints and metrics log so nothing of the old run mixes into the new one."""
-    import shutil
-
-    if (run_dir / "results.json").exists():
-        os.replace(run_dir / "results.json", run_dir / "results.previous.json")
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    (run_dir / "wandb_id.txt").unlink(missing_ok=True)  # a fresh start is a new wandb run (kdrun.runtime.tracking)
-
-
 def run_config_hash(resolved: dict[str, Any]) -> str:
     """Identity of a run's configuration for its checkpoints: everything that changes the result
     (kdrun.config.NON_IDENTITY_KEYS do not: tracking, reporting, device, ``resume``...)."""
@@ -67,8 +55,6 @@ def make_accelerator(train_cfg: Any):
 
 
 @dataclass
-
-
 class Session:
     """What every phase after preflight shares."""
 
@@ -89,8 +75,6 @@ class Session:
 
 
 @dataclass
-
-
 class RunData:
     """The tokenised task data and what identifies it."""
 
@@ -106,8 +90,6 @@ class RunData:
 
 
 @dataclass
-
-
 class Models:
     """The teacher (None when the objective uses none) and the student with its objective."""
 
@@ -121,7 +103,8 @@ class Models:
 
 
 def start_session(cfg: DictConfig, run_dir: Path, pre: RunPlan, t_start: float) -> Session:
-    """Seed, build the accelerator and prepare the run directory (start over when resume=false)."""
+    """Seed, build the accelerator and create the run directory (resume=false moved an earlier run
+    aside before: kdrun.app.run)."""
     from kdrun.runtime.threads import apply_threads
 
     apply_threads(cfg.train.num_threads)  # before the first tensor operation
@@ -136,8 +119,6 @@ def start_session(cfg: DictConfig, run_dir: Path, pre: RunPlan, t_start: float) 
     run_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.train.seed)
     accelerator = make_accelerator(cfg.train)
-    if not cfg.resume and accelerator.is_main_process:
-        _start_over(run_dir)
     accelerator.wait_for_everyone()
     return Session(cfg, run_dir, pre, accelerator, resolved, config_hash, t_start)
 

@@ -3,11 +3,8 @@ and the tracker's summary."""
 
 from __future__ import annotations
 
-import platform
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -15,27 +12,7 @@ from omegaconf import DictConfig
 from kdrun.app.context import Models, RunData, Session
 from kdrun.report.summary import print_summary
 from kdrun.runtime.cache import staging_dir, write_json_atomic
-
-
-def _git_sha() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                             text=True, timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version()}
-    for pkg in ("kdrun", "torch", "transformers", "datasets", "evaluate", "accelerate", "hydra-core", "wandb"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out
+from kdrun.runtime.provenance import git_commit, main_versions
 
 
 def count_forwards(model, counts: dict[str, int]) -> None:
@@ -145,8 +122,8 @@ def _summary(session: Session, data: RunData, models: Models, state, final_metri
                     "teacher_s": models.teacher_s, "stages_s": stages_s},
         "config": session.resolved,
         "config_hash": session.config_hash,
-        "versions": _versions(),
-        "git_sha": _git_sha(),
+        "versions": main_versions(),
+        "git_sha": (git_commit() or {}).get("commit"),
         "device": str(session.accelerator.device),
         "processes": session.accelerator.num_processes,
         "precision": session.accelerator.precision.name,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,12 @@ from kdrun.app.context import (
     run_config_hash,
     start_session,
 )
+from kdrun.app.identity import PROVENANCE, check_identity, move_aside, recorded_run, write_record
 from kdrun.app.models import build_student, load_teacher
 from kdrun.app.outputs import count_forwards, write_outputs
 from kdrun.app.preflight import ConfigError, RunPlan, preflight
 from kdrun.report.summary import print_summary
+from kdrun.runtime.provenance import provenance
 
 __all__ = ["ConfigError", "preflight", "run", "make_accelerator", "run_config_hash", "build_parts", "open_run"]
 
@@ -88,66 +91,120 @@ def _is_main_rank() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+def run(cfg: DictConfig, run_dir: Path, hydra_files: dict[str, str] | None = None) -> dict[str, Any]:
     """Execute one configured run in ``run_dir``; returns the results written to results.json.
 
-    The run holds ``run_dir``'s lock throughout (a second process fails at once, or waits with
+    Before anything is written, the run's identity is compared with the run the directory holds
+    (kdrun.app.identity): another configuration's run is refused and left as it is; this
+    configuration's complete run is reported (appended to ``cli.log``), a partial one resumed. The
+    run holds ``run_dir``'s lock while it trains (a second process fails at once, or waits with
     resume=wait), copies its output into ``cli.log`` and, if it fails, writes ``error.json``.
+    ``hydra_files``: the ``.hydra/`` files (name → text) to keep with a new run.
     """
     from kdrun.runtime.threads import registered_run
 
     with registered_run():  # counts among the machine's live runs while it runs (see kdrun.runtime.threads)
-        return _locked_run(cfg, run_dir)
+        return _checked_run(cfg, run_dir, hydra_files)
 
 
-def _locked_run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    from contextlib import nullcontext
-
-    from kdrun.runtime.locks import run_dir_lock
-    from kdrun.runtime.logs import disk_full, record_failure, tee_output
-    from kdrun.runtime.preemption import Interrupted
-
-    main = _is_main_rank()
-    progress: dict[str, Any] = {"phase": "config"}
-    try:  # nothing is created for a config that cannot run (Hydra's run directory, if any, gets error.json)
-        pre = preflight(cfg)
-    except Exception as e:
-        if main and run_dir.is_dir():
-            record_failure(run_dir, e, progress)
-        raise
-    with run_dir_lock(run_dir, wait=cfg.resume == "wait") if main else nullcontext():
-        with tee_output(run_dir / "cli.log", enabled=main):
-            try:
-                result = _run(cfg, run_dir, pre, progress)
-                if main and cfg.cache_max_gb:  # a bounded cache: least recently used entries go
-                    from kdrun.runtime.cache_cli import evict_to_size
-
-                    evict_to_size(cfg.cache_dir, cfg.cache_max_gb)
-                return result
-            except Interrupted as e:  # checkpointed (student or teacher): a rerun or requeue resumes
-                print(f"[kdrun] {e}", flush=True)
-                raise
-            except Exception as e:
-                full = disk_full(e, {"output_dir": run_dir, "cache_dir": Path(cfg.cache_dir).expanduser()})
-                if main:
-                    state = progress.pop("state", None)
-                    if state is not None:
-                        progress.update(stage=state.stage, step=state.global_step)
-                    record_failure(run_dir, full or e, progress)
-                if full is not None:
-                    raise full from e
-                raise
+@dataclass
+class _Identity:
+    resolved: dict[str, Any]
+    config_hash: str
 
 
-def _run(cfg: DictConfig, run_dir: Path, pre: RunPlan, progress: dict[str, Any]) -> dict[str, Any]:
-    t_start = time.perf_counter()
-    results_path = run_dir / "results.json"
-    if results_path.exists() and cfg.resume:
+def _identity(cfg: DictConfig, run_dir: Path) -> _Identity | None:
+    """The config's identity; None when it cannot be resolved (preflight reports why), which is an
+    error at once when ``run_dir`` holds a run (nothing of it may change)."""
+    from omegaconf import OmegaConf
+
+    try:
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        return _Identity(resolved, run_config_hash(resolved))
+    except Exception:
+        if recorded_run(run_dir) is not None:
+            raise
+        return None
+
+
+def _checked_run(cfg: DictConfig, run_dir: Path, hydra_files: dict[str, str] | None) -> dict[str, Any]:
+    identity = _identity(cfg, run_dir)
+    if identity is not None and cfg.resume:
+        recorded = check_identity(run_dir, identity.config_hash, identity.resolved)  # raises: another config's run
+        if recorded is not None and recorded.state == "complete":
+            return _report_complete(run_dir, _is_main_rank())
+    return _locked_run(cfg, run_dir, identity, hydra_files)
+
+
+def _report_complete(run_dir: Path, main: bool = True) -> dict[str, Any]:
+    """A rerun of a complete run: its table again; the one change is the section appended to cli.log."""
+    from kdrun.runtime.logs import tee_output
+
+    with tee_output(run_dir / "cli.log", enabled=main):
+        results_path = run_dir / "results.json"
         print(f"[kdrun] {results_path} exists: this run is complete (resume=false to redo it)")
         summary = json.loads(results_path.read_text())
         print_summary(summary)
         print(f"outputs: {run_dir}")
-        return summary
+    return summary
+
+
+def _locked_run(cfg: DictConfig, run_dir: Path, identity: _Identity | None,
+                hydra_files: dict[str, str] | None) -> dict[str, Any]:
+    from contextlib import nullcontext
+
+    from kdrun.runtime.locks import run_dir_lock
+    from kdrun.runtime.logs import tee_output
+
+    main, moved = _is_main_rank(), None
+    with run_dir_lock(run_dir, wait=cfg.resume == "wait") if main else nullcontext():
+        if main and identity is not None:
+            if cfg.resume:  # again under the lock: a run that held it may have finished meanwhile
+                recorded = check_identity(run_dir, identity.config_hash, identity.resolved)
+                if recorded is not None and recorded.state == "complete":
+                    return _report_complete(run_dir)
+            else:
+                moved = move_aside(run_dir)
+        with tee_output(run_dir / "cli.log", enabled=main):
+            if moved is not None:
+                print(f"[kdrun] resume=false: the run that was in {run_dir} moved to {moved}", flush=True)
+            return _recorded_run(cfg, run_dir, identity, hydra_files, main)
+
+
+def _recorded_run(cfg: DictConfig, run_dir: Path, identity: _Identity | None, hydra_files: dict[str, str] | None,
+                  main: bool) -> dict[str, Any]:
+    """Check the config, record a new run, train; a failure before the run completes writes error.json."""
+    from kdrun.runtime.logs import disk_full, record_failure
+    from kdrun.runtime.preemption import Interrupted
+
+    progress: dict[str, Any] = {"phase": "config"}
+    try:
+        pre = preflight(cfg)
+        if main and identity is not None and not (run_dir / PROVENANCE).exists():
+            write_record(run_dir, provenance(identity.config_hash, identity.resolved), hydra_files)
+        result = _run(cfg, run_dir, pre, progress)
+        if main and cfg.cache_max_gb:  # a bounded cache: least recently used entries go
+            from kdrun.runtime.cache_cli import evict_to_size
+
+            evict_to_size(cfg.cache_dir, cfg.cache_max_gb)
+        return result
+    except Interrupted as e:  # checkpointed (student or teacher): a rerun or requeue resumes
+        print(f"[kdrun] {e}", flush=True)
+        raise
+    except Exception as e:
+        full = disk_full(e, {"output_dir": run_dir, "cache_dir": Path(cfg.cache_dir).expanduser()})
+        if main and not (run_dir / "results.json").exists():  # only a run that did not complete
+            state = progress.pop("state", None)
+            if state is not None:
+                progress.update(stage=state.stage, step=state.global_step)
+            record_failure(run_dir, full or e, progress)
+        if full is not None:
+            raise full from e
+        raise
+
+
+def _run(cfg: DictConfig, run_dir: Path, pre: RunPlan, progress: dict[str, Any]) -> dict[str, Any]:
+    t_start = time.perf_counter()
     if _is_main_rank():
         (run_dir / "error.json").unlink(missing_ok=True)  # of an earlier attempt
     progress["phase"] = "setup"

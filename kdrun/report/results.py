@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from kdrun.tasks.baselines import Baseline, lookup
+from kdrun.runtime.provenance import moved_aside
 from kdrun.tasks.kinds import kind_of, metric_sign
 
 # Config keys that never distinguish one experimental setting from another.
@@ -161,7 +162,7 @@ def collect(paths: list[Path], row_keys: Iterable[str] = ()) -> tuple[list[RunRe
             raise FileNotFoundError(f"{root}: no such file or directory")
         results = [root] if root.is_file() else sorted(root.rglob("results.json"))
         for r in results:
-            if r.parent.resolve() in seen or "checkpoints" in r.parts:
+            if r.parent.resolve() in seen or "checkpoints" in r.parts or moved_aside(r.parent):
                 continue
             seen.add(r.parent.resolve())
             try:
@@ -171,7 +172,7 @@ def collect(paths: list[Path], row_keys: Iterable[str] = ()) -> tuple[list[RunRe
         if root.is_dir():  # Hydra job directories (.hydra/) that have no results.json
             for hydra_dir in sorted(root.rglob(".hydra")):
                 job = hydra_dir.parent
-                if job.resolve() not in seen and not (job / "results.json").exists():
+                if job.resolve() not in seen and not (job / "results.json").exists() and not moved_aside(job):
                     seen.add(job.resolve())
                     problems.append(_problem(job))
     runs, duplicates = drop_duplicates(runs)

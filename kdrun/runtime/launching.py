@@ -2,7 +2,8 @@
 submitting process.
 
 * **Finished jobs are not submitted again.** Each job's directory is named by its overrides, so
-  before launching, the jobs whose directory already holds ``results.json`` are answered from it
+  before launching, the jobs whose directory already holds this configuration's ``results.json``
+  (the same ``config_hash``) are answered from it
   (their main dev metric is what a sweeper such as Optuna reads) and only the others are
   submitted: rerunning a finished SLURM sweep queues nothing.
 * **Clusters without accounting.** submitit follows SLURM jobs with ``sacct``; where accounting
@@ -28,8 +29,16 @@ _INSTALLED: dict[str, bool] = {}
 
 def job_run_dir(launcher: Any, overrides: Sequence[str]) -> Path:
     """The directory a sweep job with ``overrides`` runs in (as Hydra's run_job names it)."""
+    return job_identity(launcher, overrides)[0]
+
+
+def job_identity(launcher: Any, overrides: Sequence[str]) -> tuple[Path, str | None]:
+    """A sweep job's directory and its config's identity (None if it does not resolve: the job
+    itself reports why)."""
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
+
+    from kdrun.app.context import run_config_hash
 
     cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
     saved = HydraConfig.instance().cfg
@@ -37,9 +46,16 @@ def job_run_dir(launcher: Any, overrides: Sequence[str]) -> Path:
         HydraConfig.instance().set_config(cfg)  # ${hydra:...} in the names resolve against this job
         out = OmegaConf.select(cfg, "output_dir")
         path = Path(str(out)) if out else Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
+        task_cfg = cfg.copy()
+        with open_dict(task_cfg):
+            del task_cfg["hydra"]
+        try:
+            identity = run_config_hash(OmegaConf.to_container(task_cfg, resolve=True))
+        except Exception:  # noqa: BLE001 - the job reports its own config error
+            identity = None
     finally:
         HydraConfig.instance().cfg = saved
-    return path
+    return path, identity
 
 
 def finished_return(run_dir: Path, overrides: Sequence[str]):
@@ -53,12 +69,21 @@ def finished_return(run_dir: Path, overrides: Sequence[str]):
                      _return_value=value)
 
 
+def _finished_as(run_dir: Path, identity: str) -> bool:
+    """Whether ``run_dir`` holds this configuration's complete run (another configuration's run is
+    submitted, and the job refuses it: kdrun.app.identity)."""
+    try:
+        return json.loads((run_dir / "results.json").read_text()).get("config_hash") == identity
+    except (OSError, ValueError):
+        return False
+
+
 def _skipping_launch(original):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
         done, todo = {}, []
         for i, overrides in enumerate(job_overrides):
-            run_dir = job_run_dir(self, overrides)
-            if (run_dir / "results.json").exists():
+            run_dir, identity = job_identity(self, overrides)
+            if identity is not None and _finished_as(run_dir, identity):
                 done[i] = finished_return(run_dir, overrides)
             else:
                 todo.append(i)

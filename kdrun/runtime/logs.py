@@ -8,6 +8,7 @@ bar's carriage-return updates collapse to their last state). A run that fails wr
 
 from __future__ import annotations
 
+import logging
 import socket
 import sys
 import time
@@ -38,23 +39,37 @@ class _LineLog:
             self.write("\n")
 
 
+# The console error that stopped kdrun's output (a closed pipe: ``kdrun ... | head``; a full disk
+# under ``kdrun ... > file``), if any: the run goes on, logging to cli.log, and kdrun.cli ends quietly.
+CONSOLE_LOST: list[OSError] = []
+
+
 class _Tee:
-    """A text stream that writes to ``stream`` and to a :class:`_LineLog`."""
+    """A text stream that writes to ``stream`` and to a :class:`_LineLog`. When the stream fails (its
+    reader went away, its disk is full) the run goes on: the text still reaches the log."""
 
     def __init__(self, stream: TextIO, log: _LineLog):
         self._stream = stream
         self._log = log
 
+    def _to_stream(self, method: str, *args: str) -> None:
+        if CONSOLE_LOST:
+            return
+        try:
+            getattr(self._stream, method)(*args)
+        except OSError as e:
+            CONSOLE_LOST.append(e)
+
     def write(self, text: str) -> int:
-        n = self._stream.write(text)
+        self._to_stream("write", text)
         try:
             self._log.write(text)
         except (OSError, ValueError):  # a full disk must not break the run's own output
             pass
-        return n
+        return len(text)
 
     def flush(self) -> None:
-        self._stream.flush()
+        self._to_stream("flush")
 
     def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ... of the real stream
         return getattr(self._stream, name)
@@ -72,13 +87,23 @@ def tee_output(path: Path, enabled: bool = True) -> Iterator[None]:
     logs = _LineLog(file), _LineLog(file)
     saved = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _Tee(saved[0], logs[0]), _Tee(saved[1], logs[1])
+    records = _log_records_to(logs[1])
     try:
         yield
     finally:
+        logging.getLogger().removeHandler(records)
         sys.stdout, sys.stderr = saved
         for log in logs:
             log.close()
         file.close()
+
+
+def _log_records_to(log: _LineLog) -> logging.Handler:
+    """Copy the logging module's records (Hydra's, libraries') into the log, as Hydra's format."""
+    handler = logging.StreamHandler(log)  # type: ignore[arg-type]  # write() is all it needs
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
+    logging.getLogger().addHandler(handler)
+    return handler
 
 
 def log_only(path: Path, text: str) -> None:
