@@ -75,7 +75,8 @@ def pair_interactions(x: torch.Tensor, m: int) -> torch.Tensor:
 
 def pair_mse(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, m: int) -> torch.Tensor:
     """MSE between the m-head interactions of xs (B, n, ds) and xt (B, n, dt) over entries whose two
-    points are valid (mask (B, n)), without forming the (B, m, n, n) matrices.
+    points are valid (mask (B, n)), without forming the (B, m, n, n) matrices. Stacked layers
+    xs (L, B, n, ds), xt (L, B, n, dt) sharing the mask: the sum of the L layers' MSEs.
 
     Per head, with X zeroed at invalid points, a = ds/m, b = dt/m:
     ``||X_s X_s^T/√a - X_t X_t^T/√b||² = ||X_s^T X_s||²/a - 2 ||X_s^T X_t||²/√(ab) + ||X_t^T X_t||²/b``,
@@ -88,15 +89,18 @@ def pair_mse(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, m: int) -> 
         x = torch.where(keep, x, torch.zeros_like(x)).double()
         return split_heads(x, m).transpose(-1, -2).contiguous()
 
+    def norm2(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # ||U V^T||^2 per stacked layer
+        return (u @ v.transpose(-1, -2)).square().flatten(-4).sum(-1)
+
     hs = cols(xs)
     with torch.no_grad():
         ht = cols(xt)
-        tt = (ht @ ht.transpose(-1, -2)).square().sum() / ht.shape[-2]
+        tt = norm2(ht, ht) / ht.shape[-2]
     a, b = hs.shape[-2], ht.shape[-2]
-    ss = (hs @ hs.transpose(-1, -2)).square().sum() / a
-    st = (hs @ ht.transpose(-1, -2)).square().sum() / math.sqrt(a * b)
+    ss = norm2(hs, hs) / a
+    st = norm2(hs, ht) / math.sqrt(a * b)
     count = m * mask.sum(-1).double().square().sum()
-    return ((ss - 2.0 * st + tt).clamp_min(0.0) / count.clamp_min(1)).to(xs.dtype)
+    return ((ss - 2.0 * st + tt).clamp_min(0.0) / count.clamp_min(1)).sum().to(xs.dtype)
 
 
 def salient_selection(pt: torch.Tensor, mask: torch.Tensor, k1: int, k2: int
@@ -150,36 +154,45 @@ def vertex_angles(x: torch.Tensor, mask: torch.Tensor, vert: torch.Tensor, nb: t
     return cos, valid[..., :, None] & valid[..., None, :]
 
 
-def huber_mean(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor, beta: float) -> torch.Tensor:
+def huber_mean(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor, beta: float, layers: int = 1) -> torch.Tensor:
+    """Smooth-L1 of a - b averaged over ``valid``; with ``layers`` stacked along the first dim, the
+    sum of the layers' averages."""
     diff = torch.where(valid, a - b, torch.zeros_like(a))
     err = F.smooth_l1_loss(diff, torch.zeros_like(diff), reduction="none", beta=beta)
-    return err.sum() / valid.sum().clamp_min(1)
+    return (err.reshape(layers, -1).sum(-1) / valid.reshape(layers, -1).sum(-1).clamp_min(1)).sum()
 
 
 def structure_losses(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, *, heads: int, pair: bool,
                      angle: bool, k1: int, k2: int, huber_beta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(pair MSE, angle Huber) between student points xs (B, n, ds) and teacher points xt (B, n, dt).
 
-    Relations are within each example; ``mask`` (B, n) marks the valid points.
+    Relations are within each example; ``mask`` (B, n) marks the valid points. Stacked layers
+    xs (L, B, n, ds), xt (L, B, n, dt) sharing the mask: the sums over the L layers, in one call
+    (the layers are stacked along the batch).
     """
-    zero = xs.sum() * 0.0  # keeps the graph when a part is off or empty
+    zero = xs.sum() * 0.0 if not (pair and angle) else None  # keeps the graph when a part is off or empty
     lp = la = zero
     if pair:
         lp = pair_mse(xs, xt, mask, heads)
-    if angle and xs.shape[1] >= 2:
+    if angle and xs.shape[-2] >= 2:
+        layers = math.prod(xs.shape[:-3])
+        fs, ft = xs.reshape(-1, *xs.shape[-2:]), xt.reshape(-1, *xt.shape[-2:])
+        fmask = mask.expand(*xs.shape[:-3], *mask.shape).reshape(-1, mask.shape[-1])
         with torch.no_grad():
-            pt = pair_interactions(xt, heads)
-        vert, nb, valid = salient_selection(pt, mask, k1, k2)
-        cs, tri = vertex_angles(xs, mask, vert, nb, valid)
+            pt = pair_interactions(ft, heads)
+        vert, nb, valid = salient_selection(pt, fmask, k1, k2)
+        cs, tri = vertex_angles(fs, fmask, vert, nb, valid)
         with torch.no_grad():
-            ct, _ = vertex_angles(xt, mask, vert, nb, valid)
-        la = huber_mean(cs, ct, tri, huber_beta)
+            ct, _ = vertex_angles(ft, fmask, vert, nb, valid)
+        la = huber_mean(cs, ct, tri, huber_beta, layers)
+    elif angle:
+        la = xs.sum() * 0.0
     return lp, la
 
 
 def span_points(h: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
-    """Mean of each span's token vectors: h (B, n, d), spans (B, S, 2) [start, end) -> (B, S, d)."""
-    n = h.shape[1]
+    """Mean of each span's token vectors: h (..., B, n, d), spans (B, S, 2) [start, end) -> (..., B, S, d)."""
+    n = h.shape[-2]
     ar = torch.arange(n, device=h.device)
     start, end = spans[..., :1], spans[..., 1:]
     w = ((ar >= start) & (ar < end)).to(h.dtype)  # (B, S, n)
@@ -194,9 +207,9 @@ def span_mask(spans: torch.Tensor, min_spans: int) -> torch.Tensor:
 
 
 def sample_points(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Masked mean over real tokens: (B, n, d) -> (B, d)."""
+    """Masked mean over real tokens: (..., B, n, d) -> (..., B, d)."""
     m = mask.to(h.dtype)[..., None]
-    return (h * m).sum(1) / m.sum(1).clamp_min(1)
+    return (h * m).sum(-2) / m.sum(-2).clamp_min(1)
 
 
 # ------------------------------------------------------------------------------------------ module
@@ -325,20 +338,27 @@ def _prep(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     return x.to(dt)
 
 
+def _stacked(hs, ht, pairs, dt: torch.dtype, module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paired layers stacked: student (L, B, n, d) through the term's projection, teacher (L, B, n, dt)."""
+    xs = torch.stack([_prep(hs[si], dt) for si, _ in pairs])
+    with torch.no_grad():
+        xt = torch.stack([_prep(ht[ti], dt) for _, ti in pairs])
+    return (module(xs) if module is not None else xs), xt
+
+
 def _within_examples(hs, ht, pairs, module, points, mask, parts: dict, **kw) -> torch.Tensor:
     """Token / span level: Σ over ``pairs`` of the pair + angle losses among ``points(h)`` (B, n', d).
 
     ``parts`` receives the pair and angle sums (for the module's log).
     """
     dt = relation_dtype(hs[0])
-    lp = la = _prep(hs[0], dt).sum() * 0.0  # (no layer pair: 0, still on the graph)
-    for si, ti in pairs:
-        xs = _prep(hs[si], dt)
-        ps = points(module(xs) if module is not None else xs)
+    if pairs:
+        xs, xt = _stacked(hs, ht, pairs, dt, module)
         with torch.no_grad():
-            pt = points(_prep(ht[ti], dt))
-        p, a = structure_losses(ps, pt, mask, **kw)
-        lp, la = lp + p, la + a
+            pt = points(xt)
+        lp, la = structure_losses(points(xs), pt, mask, **kw)
+    else:
+        lp = la = _prep(hs[0], dt).sum() * 0.0  # (no layer pair: 0, still on the graph)
     if kw["pair"]:
         parts["pair"] = lp
     if kw["angle"]:
@@ -386,22 +406,21 @@ def mgskd_sample(s: Features, t: Features, batch, ctx: LossContext, p: SamplePar
     hs, ht, mask = _hidden(s, t, "mgskd_sample")
     module = ctx.module
     dt = relation_dtype(hs[0])
+    pairs = _layers(ctx.layer_pairs, p.boundary, p.hierarchical, top=True)
     with full_precision(hs[0].device):
-        lp = la = _prep(hs[0], dt).sum() * 0.0
-        heads = p.heads
-        for si, ti in _layers(ctx.layer_pairs, p.boundary, p.hierarchical, top=True):
-            xs = module(_prep(hs[si], dt)) if module is not None else _prep(hs[si], dt)
-            vs = sample_points(xs, mask)  # (B, d)
+        lp = la = _prep(hs[0], dt).sum() * 0.0 if not (pairs and p.pair and p.angle) else None
+        if pairs:  # every pair at once: the paired layers stacked, (L, B, d) samples
+            xs, xt = _stacked(hs, ht, pairs, dt, module)
+            vs = sample_points(xs, mask)
             with torch.no_grad():
-                vt = sample_points(_prep(ht[ti], dt), mask)
-            if p.angle:
-                hs_ = split_heads(vs[None], heads)[0]  # (m, B, d/m): one point set per head
-                ht_ = split_heads(vt[None], heads)[0]
-                ones = torch.ones(hs_.shape[:2], dtype=torch.bool, device=vs.device)
-                la = la + angle_loss(hs_, ht_, ones, loss="huber", window=None, huber_beta=p.huber_beta)
+                vt = sample_points(xt, mask)
+            if p.angle:  # (L, m, B, d/m): one point set per layer and head
+                ones = torch.ones((p.heads, vs.shape[-2]), dtype=torch.bool, device=vs.device)
+                la = angle_loss(split_heads(vs, p.heads), split_heads(vt, p.heads), ones, loss="huber",
+                                window=None, huber_beta=p.huber_beta)
             if p.pair:
-                ones = torch.ones((1, vs.shape[0]), dtype=torch.bool, device=vs.device)
-                lp = lp + pair_mse(vs[None], vt[None], ones, heads)
+                ones = torch.ones((1, vs.shape[-2]), dtype=torch.bool, device=vs.device)
+                lp = pair_mse(vs[:, None], vt[:, None], ones, p.heads)
         if module is not None:
             module.record(**({"pair": lp} if p.pair else {}), **({"angle": la} if p.angle else {}))
         return lp + la
