@@ -16,7 +16,10 @@ Scenarios (tiny models, so each rerun takes seconds):
 * ``augment``: the toy task with TinyBERT's augmentation from a tiny masked LM: ``augmented``;
 * ``spans``: MGSKD on the toy task, its chunker trained on a tiny CoNLL-format corpus: ``chunkers`` and
   the tokenised splits with their spans (``tokenized``);
-* ``corpus``: task-agnostic distillation on a small text corpus: ``corpus``.
+* ``corpus``: task-agnostic distillation on a small text corpus: ``corpus``;
+* ``wandb``: the toy task under ``logger=wandb`` (offline), stopped after 4 steps: each file of the
+  stopped run's wandb offline directory (``wandb/offline-run-*``: the transaction log, wandb's own
+  logs and files) is damaged before the run is resumed.
 
 Each trial copies the scenario's pristine tree, damages one file (cut to half its size, one byte
 flipped in place, or deleted) and runs the same command again: a cache file with a fresh run
@@ -29,6 +32,12 @@ directory, a checkpoint file by resuming the interrupted run. Outcomes:
 * ``silently used``: the run finished without a ``[kdrun]`` line about the damaged file or its
   entry (must be 0);
 * ``wrong``: the run finished and said so, but its result differs from the undamaged run's;
+* ``not read``: a file of wandb's offline directory, which kdrun never opens: the resumed run
+  finished identically to the undamaged one, the damaged file's access time shows that nothing read
+  it (a deleted one was not needed and not recreated), and the resumed run logged to the same wandb
+  run id in a new offline directory whose transaction log reads to its end (what ``wandb sync``
+  later does with the damaged file is wandb's; the transaction log's record checksums show a
+  damaged record);
 * ``unclear failure``: any other exit (a traceback, exit status 1, a message about something else).
 
 Prints one line per trial and the counts, e.g. ``0 silently used``.
@@ -54,15 +63,16 @@ TINY = ["teacher=tiny_random", "student=tiny_random", "logger=none", "train.num_
         "train.eval_batch_size=64"]
 TOY = ["task=toy", "task.toy.num_train=96", "task.toy.num_validation=32", "teacher.finetune.epochs=1"]
 DAMAGES = ("truncate", "flip", "delete")
-GOOD = ("rebuilt", "refused")
+GOOD = ("rebuilt", "refused", "not read")
 MESSAGE_WORDS = ("damaged", "no manifest", "rebuilding", "moved to")
+SCENARIOS = ("task", "partial", "augment", "spans", "corpus", "wandb")
 TRIAL = "trial run é"  # where each trial reruns: a directory name with a space and a non-ASCII letter
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="outputs/fuzz_damage")
-    p.add_argument("--scenarios", default="task,partial,augment,spans,corpus")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--fast", action="store_true", help="a few (file, damage) pairs per scenario, for the tests")
     p.add_argument("--per-scenario", type=int, default=3, help="with --fast: trials per scenario")
     p.add_argument("--seed", type=int, default=0)
@@ -126,7 +136,10 @@ def scenario_args(name: str, shared: Path) -> tuple[list[str], list[str]]:
         return [*TINY, "task=text_corpus", f"task.data_files={corpus}", "task.validation_percent=15",
                 "task.max_seq_length=24", "objective=distilbert_general", "train.epochs=1",
                 "objective.stages.0.batch_size=8"], ["corpus"]
-    raise SystemExit(f"--scenarios: unknown scenario {name!r}; choose from task, partial, augment, spans, corpus")
+    if name == "wandb":
+        return [*[a for a in TINY if a != "logger=none"], "logger=wandb", *TOY, "objective=logit", "train.epochs=2",
+                "train.checkpoint_every_steps=3", "logger.log_every_steps=1"], []
+    raise SystemExit(f"--scenarios: unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
 
 
 def kdrun(overrides: list[str], cache: Path, run_dir: Path, log: Path) -> int:
@@ -176,18 +189,57 @@ def entry_of(path: Path) -> Path:
     return path.parent
 
 
-def classify(rc: int, log: str, same: bool, names: tuple[str, ...]) -> str:
+def classify(rc: int, log: str, same: bool, names: tuple[str, ...], unread: bool = False) -> str:
     """The outcome of a rerun by its exit status and what it printed about ``names`` (the damaged
-    file's and its entry's full paths): only a line naming one of them counts."""
+    file's and its entry's full paths): only a line naming one of them counts. ``unread``: the file
+    is wandb's, nothing read it and the wandb run went on (see :func:`wandb_untouched`)."""
     lines = log.splitlines()
     if rc == 0:
         said = [line for line in lines if line.startswith("[kdrun]") and any(w in line for w in MESSAGE_WORDS)
                 and any(n in line for n in names)]
         if not said:
-            return "silently used"
+            return "not read" if unread and same else "silently used"
         return "rebuilt" if same else "wrong"
     errors = [line for line in lines if line.startswith("kdrun: error:")]
     return "refused" if rc == 2 and any(n in line for line in errors for n in names) else "unclear failure"
+
+
+def mark_unread(path: Path) -> None:
+    """Set ``path``'s access time before its modification time: the next read moves it (``relatime``,
+    Linux's default, updates an access time older than the modification time)."""
+    if path.exists():
+        st = path.stat()
+        os.utime(path, ns=(st.st_mtime_ns - 60 * 10**9, st.st_mtime_ns))
+
+
+def was_read(path: Path) -> bool:
+    """Whether ``path`` was read since :func:`mark_unread` (a deleted file: whether it is back)."""
+    if not path.exists():
+        return False
+    st = path.stat()
+    return st.st_atime_ns >= st.st_mtime_ns
+
+
+def atime_works(where: Path) -> bool:
+    """Whether this file system shows reads in access times (not mounted ``noatime``)."""
+    probe = where / ".atime-probe"
+    probe.write_bytes(b"x")
+    mark_unread(probe)
+    probe.read_bytes()
+    works = was_read(probe)
+    probe.unlink()
+    return works
+
+
+def wandb_untouched(damaged: Path, stopped: Path, run_dir: Path) -> bool:
+    """A damaged file of the stopped run's wandb offline directory was not read by the resumed run,
+    and the resumed run logged to the same wandb run id in an offline directory of its own, whose
+    transaction log reads to its end."""
+    if "wandb" not in damaged.relative_to(run_dir).parts or was_read(damaged):
+        return False
+    new = [p for p in fk.wandb_logs(run_dir) if not (stopped / p.relative_to(run_dir)).exists()]
+    stored = (run_dir / "wandb_id.txt").read_text().strip()
+    return len(new) == 1 and fk.wandb_history(new[0])["id"] == stored and fk.wandb_history(new[0])["problem"] is None
 
 
 def interrupt_teacher(overrides: list[str], cache: Path, run_dir: Path, log: Path) -> Path:
@@ -219,7 +271,7 @@ def prepare(name: str, out: Path) -> dict:
         raise SystemExit(f"the undamaged {name} run failed: see {base / 'reference.log'}")
     sc = {"name": name, "overrides": overrides, "kinds": kinds, "base": base,
           "reference": fk.outcome(base / "run")}
-    if name == "task":  # stop after 4 steps: checkpoints/last holds step 3, checkpoints/best step 4
+    if name in ("task", "wandb"):  # stop after 4 steps: checkpoints/last holds step 3, checkpoints/best step 4
         # made where the trials resume it: cache_dir is part of the run's configuration hash, so a
         # checkpoint moved to another cache path would be refused whatever the damage
         work = out / name / TRIAL
@@ -228,7 +280,7 @@ def prepare(name: str, out: Path) -> dict:
         kdrun([*overrides, "train.stop_after_steps=4"], work / "cache", work / "stopped", base / "stopped.log")
         shutil.move(work / "stopped", base / "stopped")
         shutil.rmtree(work)
-        for d in ("last", "best"):
+        for d in ("last", "best")[:2 if name == "task" else 1]:
             if not (base / "stopped" / "checkpoints" / d).exists():
                 raise SystemExit(f"the interrupted {name} run left no checkpoints/{d}: see {base / 'stopped.log'}")
     if name == "partial":
@@ -236,10 +288,17 @@ def prepare(name: str, out: Path) -> dict:
     return sc
 
 
+def plain_files(root: Path) -> list[Path]:
+    """The files under ``root``, not links nor files reached through one (wandb links its logs)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.rglob("*") if p.is_file()
+                  and not any(q.is_symlink() for q in [p, *p.relative_to(root).parents][:-1]))
+
+
 def targets(sc: dict) -> list[Path]:
     files = entry_files(sc["base"] / "cache", sc["kinds"])
-    ckpt = sc["base"] / "stopped" / "checkpoints"
-    files += sorted(p for p in ckpt.rglob("*") if p.is_file()) if ckpt.exists() else []
+    files += plain_files(sc["base"] / "stopped" / ("wandb" if sc["name"] == "wandb" else "checkpoints"))
     partial = sc["base"] / "killed cache é" / "teachers"
     return files + (sorted(p for d in partial.glob(".*.partial") for p in d.rglob("*") if p.is_file())
                     if partial.exists() else [])
@@ -249,10 +308,12 @@ def trial(sc: dict, target: Path, how: str, work: Path) -> tuple[str, str]:
     """Copy the pristine tree, damage one file, rerun; (outcome, the damage line kdrun printed)."""
     if work.exists():
         shutil.rmtree(work)
-    shutil.copytree(sc["base"], work, ignore=shutil.ignore_patterns("*.log"))
+    top = str(sc["base"])  # the scenario's own logs stay behind (wandb's, deeper down, are copied)
+    shutil.copytree(sc["base"], work, ignore=lambda d, names: [n for n in names if d == top and n.endswith(".log")])
     rel = target.relative_to(sc["base"])
     if not damage(work / rel, how):
         return "not applicable", ""
+    mark_unread(work / rel)
     if rel.parts[0] == "stopped":  # a checkpoint: resume the interrupted run
         cache, run_dir = work / "cache", work / "stopped"
     elif rel.parts[0] == "killed cache é":  # the teacher's build directory: resume the killed run
@@ -265,7 +326,10 @@ def trial(sc: dict, target: Path, how: str, work: Path) -> tuple[str, str]:
     names = (str(work / rel), str(entry_of(work / rel)))
     said = next((line for line in log.splitlines() if (line.startswith("[kdrun]") or line.startswith("kdrun: error"))
                  and any(n in line for n in names)), "")
-    return classify(rc, log, same, names), said
+    unread = rc == 0 and sc["atime"] and wandb_untouched(work / rel, sc["base"] / "stopped", run_dir)
+    if unread and rel.suffix == ".wandb" and (work / rel).exists():  # what wandb sync would meet
+        said = f"wandb's transaction log: {fk.wandb_records(work / rel)[1] or 'every record checks'}"
+    return classify(rc, log, same, names, unread), said
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,8 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     counts: dict[str, int] = {}
     rows = []
     t0 = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    atime = atime_works(out)
     for name in args.scenarios.split(","):
-        sc = prepare(name, out)
+        sc = {**prepare(name, out), "atime": atime}
         pairs = [(t, how) for t in targets(sc) for how in DAMAGES]
         if args.fast:
             pairs = rng.sample(pairs, min(args.per_scenario, len(pairs)))
@@ -290,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(out / name / TRIAL, ignore_errors=True)
     total = sum(v for k, v in counts.items() if k != "not applicable")
     print(f"[fuzz_damage] {total} damaged files rerun in {time.perf_counter() - t0:.0f}s: "
-          + ", ".join(f"{counts.get(k, 0)} {k}" for k in ("rebuilt", "refused", "silently used", "wrong",
-                                                           "unclear failure")))
+          + ", ".join(f"{counts.get(k, 0)} {k}" for k in ("rebuilt", "refused", "not read", "silently used",
+                                                           "wrong", "unclear failure")))
     (out / "fuzz_damage.json").write_text(json.dumps({"counts": counts, "trials": rows}, indent=1))
     bad = sum(counts.get(k, 0) for k in ("silently used", "wrong", "unclear failure"))
     return 0 if bad == 0 else 1

@@ -40,10 +40,14 @@ import json
 import os
 import random
 import re
+import secrets
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 RUN = ["teacher=tiny_random", "student=tiny_random", "logger=none", "task=toy", "task.toy.num_train=160",
@@ -64,9 +68,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=0, help="signal each restart again this many times")
     p.add_argument("--ddp", action="store_true", help="two processes under torchrun; the signal kills rank 1 alone")
+    p.add_argument("--logger", choices=("none", "wandb"), default="none",
+                   help="wandb: also check the offline wandb run (one run id, every step logged once)")
+    p.add_argument("--at", choices=("time", "event"), default=None,
+                   help="time: a moment drawn from the timed run; event: when the run reaches a drawn event "
+                        "(a phase printed, a checkpoint written), whatever the machine's speed (default with --fast)")
     p.add_argument("--out", default="outputs/fuzz_kill")
     p.add_argument("--fast", action="store_true", help="a shorter run (one stage epoch each), for the tests")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.at = args.at or ("event" if args.fast else "time")
+    return args
 
 
 def override_value(value: object) -> str:
@@ -88,23 +99,65 @@ def kdrun_command(overrides: list[str], cache: Path, run_dir: Path, ddp: bool = 
     return [*launch, *overrides, f"cache_dir={override_value(cache)}", f"output_dir={override_value(run_dir)}"]
 
 
-_PORTS = iter(range(29500 + os.getpid() % 97 * 5, 65000))  # a fresh port for each launch: no wait for a freed one
+def free_port() -> int:
+    """A port nothing listens on now (the kernel's pick): each launch gets its own, so a port still
+    held by a killed run, or by another program's torchrun, is never reused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def command(args: argparse.Namespace, work: Path) -> list[str]:
     extra = ["objective.params.prediction_epochs=1"] if args.fast else []
-    return kdrun_command([*RUN, *extra], work / "cache", work / "run", ddp=args.ddp, port=next(_PORTS))
+    logger = [f"logger={args.logger}"] if args.logger != "none" else []
+    return kdrun_command([*RUN, *extra, *logger], work / "cache", work / "run", ddp=args.ddp,
+                         port=free_port() if args.ddp else 29500)
 
 
-def env() -> dict[str, str]:
+TAG = "KDRUN_FUZZ_RUN"  # every process of a run carries it (wandb's service too, in a session of its own)
+
+
+def env(tag: str = "") -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     e.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
-             OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+             OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **({TAG: tag} if tag else {}))
     return e
 
 
 def start(cmd: list[str], log) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(), start_new_session=True)
+    """Start a run in a session of its own; its processes carry ``KDRUN_FUZZ_RUN=<a tag of its own>``
+    (``proc.tag``)."""
+    tag = secrets.token_hex(8)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(tag), start_new_session=True)
+    proc.tag = tag
+    return proc
+
+
+def tagged(tag: str) -> list[int]:
+    """The live processes whose environment holds ``KDRUN_FUZZ_RUN=<tag>``."""
+    want, found = f"{TAG}={tag}".encode(), []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and want in Path(d, "environ").read_bytes().split(b"\0"):
+                found.append(int(d.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> int:
+    """Wait for the run, then for every process it started (wandb's service ends on its own once the
+    run is gone, after writing what it holds); what is still there after ``timeout`` is killed."""
+    rc = proc.wait()
+    deadline = time.time() + timeout
+    while (left := tagged(proc.tag)) and time.time() < deadline:
+        time.sleep(0.05)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return rc
 
 
 def rank_process(launcher: int, rank: int) -> int | None:
@@ -127,27 +180,63 @@ def rank_process(launcher: int, rank: int) -> int | None:
     return None
 
 
-def signalled_run(cmd: list[str], delay: float, sig: signal.Signals, log, ddp: bool = False) -> bool:
-    """Start the run and send ``sig`` after ``delay`` seconds (SIGKILL to its whole process group;
-    with ``ddp``, to rank 1's process alone); False when it finished before the signal."""
-    proc = start(cmd, log)
-    try:
-        proc.wait(timeout=delay)
-        return False
-    except subprocess.TimeoutExpired:
-        target = rank_process(proc.pid, 1) if ddp else None
-        if ddp and target is None:  # no worker yet (start-up): the launcher stands in
-            target = proc.pid
-        if ddp:
-            os.kill(target, sig)
-        else:
-            os.killpg(proc.pid, sig) if sig == signal.SIGKILL else os.kill(proc.pid, sig)
+EVENTS = ("teacher fine-tuning", "teacher checkpoint", "teacher published", "stage 0", "student step 3",
+          "student step 6")  # what --at event waits for before the signal, in the order a run reaches them
+
+
+def reached(event: str, work: Path, log_text: str) -> bool:
+    """Whether the run in ``work`` has got to ``event`` (one of :data:`EVENTS`)."""
+    teachers = work / "cache" / "teachers"
+    if event == "teacher checkpoint":
+        return any(teachers.glob(".*.partial/checkpoints/last/.complete"))
+    if event == "teacher published":
+        return any(teachers.glob("*/.complete"))
+    if event.startswith("student step"):
+        return (_state_step(work / "run" / "checkpoints" / "last") or 0) >= int(event.split()[-1])
+    return {name: marker for marker, name in PHASES}[event] in log_text
+
+
+def moment_came(proc: subprocess.Popen, when: float | str, work: Path, log) -> bool:
+    """Wait until ``when`` (seconds after the start, or an event of :data:`EVENTS`) while the run
+    runs; False when it ended first."""
+    if not isinstance(when, str):
         try:
-            proc.wait(timeout=300)
-        except subprocess.TimeoutExpired:  # a DDP peer left waiting: end the whole group
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        return True
+            proc.wait(timeout=when)
+            return False
+        except subprocess.TimeoutExpired:
+            return True
+    path, offset = Path(log.name), Path(log.name).stat().st_size  # the log may hold earlier restarts
+    while proc.poll() is None:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            if reached(when, work, f.read().decode(errors="replace")):
+                return True
+        time.sleep(0.01)
+    return False
+
+
+def signalled_run(cmd: list[str], when: float | str, sig: signal.Signals, log, ddp: bool = False,
+                  work: Path | None = None) -> bool:
+    """Start the run and send ``sig`` at ``when`` (see :func:`moment_came`; SIGKILL to its whole
+    process group; with ``ddp``, to rank 1's process alone); False when it finished before the signal.
+    Returns once every process of the run has ended."""
+    proc = start(cmd, log)
+    if not moment_came(proc, when, work, log):
+        finish(proc)
+        return False
+    target = rank_process(proc.pid, 1) if ddp else None
+    if ddp and target is not None:
+        os.kill(target, sig)
+    elif sig == signal.SIGKILL or ddp:  # no worker yet (start-up): the whole group, launcher and all
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        os.kill(proc.pid, sig)
+    try:
+        proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:  # a DDP peer left waiting: end the whole group
+        os.killpg(proc.pid, signal.SIGKILL)
+    finish(proc)
+    return True
 
 
 def timed_reference(cmd: list[str], log_path: Path) -> tuple[float, dict[str, float]]:
@@ -165,6 +254,7 @@ def timed_reference(cmd: list[str], log_path: Path) -> tuple[float, dict[str, fl
             if done:
                 break
             time.sleep(0.02)
+    finish(proc)
     if proc.returncode != 0:
         raise SystemExit(f"the reference run failed: see {log_path}")
     return time.perf_counter() - t0, marks
@@ -235,6 +325,60 @@ def outcome(run_dir: Path) -> dict:
             "log": records}
 
 
+WANDB_BLOCK, WANDB_HEADER, CHUNK = 32768, 7, 7  # wandb's transaction log: LevelDB-log blocks after a header
+
+
+def wandb_records(path: Path) -> tuple[list[bytes], str | None]:
+    """The records of a wandb transaction log (``run-<id>.wandb``: ``:W&B`` and a version, then
+    LevelDB-log chunks in 32 KiB blocks, each with a CRC-32 of its type byte and data), and why
+    reading stopped before the end (None: every byte was read and checked)."""
+    data = path.read_bytes()
+    if data[:4] != b":W&B":
+        return [], "no wandb header"
+    records, pending, pos = [], b"", WANDB_HEADER
+    while pos < len(data):
+        room = WANDB_BLOCK - pos % WANDB_BLOCK
+        crc, size, kind = struct.unpack_from("<IHB", data, pos) if room >= CHUNK and pos + CHUNK <= len(data) \
+            else (0, 0, 0)
+        if (crc, size, kind) == (0, 0, 0):  # the zero padding at a block's end
+            if room < CHUNK or not any(data[pos:pos + room]):
+                pos += room
+                continue
+            return records, f"cut inside a chunk header at byte {pos}"
+        body = data[pos + CHUNK:pos + CHUNK + size]
+        if len(body) < size or zlib.crc32(bytes([kind]) + body) != crc or kind not in (1, 2, 3, 4):
+            return records, f"a damaged or cut record at byte {pos}"
+        pos += CHUNK + size
+        pending = body if kind in (1, 2) else pending + body  # 1 whole, 2 first, 3 middle, 4 last
+        if kind in (1, 4):
+            records.append(pending)
+    return records, None
+
+
+def wandb_history(path: Path) -> dict:
+    """What a wandb offline run's transaction log holds: its run id, each history row's step and
+    values (timing fields and wandb's own ``_`` fields left out), in order, and any read problem."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    records, problem = wandb_records(path)
+    run_id, rows = None, []
+    for raw in records:
+        rec = pb.Record.FromString(raw)
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":
+            run_id = run_id or rec.run.run_id
+        elif kind == "history":
+            values = {i.key or "/".join(i.nested_key): i.value_json for i in rec.history.item}
+            rows.append((rec.history.step.num, {k: v for k, v in values.items()
+                                                if not k.startswith("_") and not any(t in k for t in TIMING_KEYS)}))
+    return {"id": run_id, "rows": rows, "problem": problem}
+
+
+def wandb_logs(run_dir: Path) -> list[Path]:
+    """The transaction logs of every wandb offline run in ``run_dir`` (``wandb/offline-run-*``)."""
+    return sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
 def same(a: dict, b: dict) -> list[str]:
     """What differs between two outcomes (empty: identical)."""
     import torch
@@ -245,16 +389,88 @@ def same(a: dict, b: dict) -> list[str]:
     return diff + ([] if a["log"] == b["log"] else ["metrics.jsonl"])
 
 
-def judge(reference: dict, work: Path, restart_rc: int, saved: dict, restart_log: str) -> list[str]:
+def synced_rows(histories: list[dict]) -> list[tuple[int, dict]]:
+    """The history of one wandb run as ``wandb sync`` of its offline runs, in order, leaves it: a row at
+    or below the last step already there is dropped (wandb drops it in a resumed run)."""
+    rows: list[tuple[int, dict]] = []
+    for h in histories:
+        rows += [r for r in h["rows"] if not rows or r[0] > rows[-1][0]]
+    return rows
+
+
+def wandb_problems(reference: list, run_dir: Path, logs: list[Path]) -> list[str]:
+    """Why the wandb offline runs of a stopped and restarted run (``logs``, oldest first) are not one
+    wandb run equal to the uninterrupted one's: every run id is the one in wandb_id.txt, no offline run
+    logs a step twice, the restart's log reads to its end, and the synced history has every step of
+    ``reference`` once, with the same values (timing fields left out)."""
+    hist = [wandb_history(p) for p in logs]
+    stored = (run_dir / "wandb_id.txt").read_text().strip() if (run_dir / "wandb_id.txt").is_file() else None
+    problems = [] if hist and {h["id"] for h in hist} == {stored} else [
+        f"wandb: run ids {sorted(str(h['id']) for h in hist)}, {stored!r} in wandb_id.txt"]
+    problems += [f"wandb: the restart's log: {hist[-1]['problem']}"] if hist and hist[-1]["problem"] else []
+    for p, h in zip(logs, hist):
+        steps = [s for s, _ in h["rows"]]
+        if steps != sorted(set(steps)):
+            problems.append(f"wandb: {p.parent.name} logs a step twice or out of order ({steps})")
+    rows = synced_rows(hist)
+    got, want = [s for s, _ in rows], [s for s, _ in reference]
+    if got != want:
+        problems.append(f"wandb: steps {got}, the uninterrupted run's {want}")
+    elif rows != reference:
+        problems.append(f"wandb: values differ at steps {[a[0] for a, b in zip(rows, reference) if a != b]}")
+    return problems
+
+
+def judge(reference: dict, work: Path, restart_rc: int, saved: dict, restart_log: str,
+          wandb: tuple[list, list[Path]] | None = None) -> list[str]:
     """Why a signalled run fails (empty: it passed): its one restart failed, resumed wrongly, or
-    ended differently from the reference."""
+    ended differently from the reference (``wandb``: the reference's wandb history and the run's
+    offline wandb logs, oldest first, which must make one wandb run like it)."""
     if restart_rc != 0:
         return [f"the restart exited {restart_rc}"]
     problems = resume_problems(saved, restart_log)
     try:
-        return problems + [f"differs in {d}" for d in same(reference, outcome(work / "run"))]
+        problems += [f"differs in {d}" for d in same(reference, outcome(work / "run"))]
+        return problems + (wandb_problems(wandb[0], work / "run", wandb[1]) if wandb else [])
     except (OSError, KeyError, ValueError) as e:
         return problems + [f"its outputs are unreadable ({e})"]
+
+
+def references(args: argparse.Namespace, out: Path) -> tuple[dict, list | None, float, float, dict]:
+    """Two uninterrupted runs (the second timed: the first pays one-off costs, compiling and the OS's
+    file cache, that the signalled runs do not), which must end identically: (the outcome, its wandb
+    history or None, the first moment to draw, the last, when each phase began)."""
+    timed_reference(command(args, out / "reference"), out / "reference.log")
+    reference = outcome(out / "reference" / "run")
+    total, marks = timed_reference(command(args, out / "timing"), out / "timing.log")
+    rows = [synced_rows([wandb_history(p) for p in wandb_logs(out / d / "run")]) for d in ("reference", "timing")]
+    if same(reference, outcome(out / "timing" / "run")) or rows[0] != rows[1]:
+        raise SystemExit("two uninterrupted runs differ: the comparison cannot count anything (see timing.log)")
+    if args.logger == "wandb" and not rows[0]:
+        raise SystemExit("the uninterrupted run logged nothing to wandb (see reference.log)")
+    t_first = min(marks.values(), default=0.0)  # start-up (imports, config) is not drawn: nothing is written then
+    total = marks.get("outputs written", total)  # after the outputs only the exit is left: nothing to test
+    return reference, rows[0] if args.logger == "wandb" else None, t_first, total, marks
+
+
+def shown(when: float | str) -> str:
+    return f"at {when:.1f}s" if isinstance(when, float) else f"at {when!r}"
+
+
+def restart(args: argparse.Namespace, work: Path, log_path: Path, draw, logs: list[Path]) -> tuple[int, dict]:
+    """``--repeat`` more signalled restarts, then the one restart that must finish: (its exit status,
+    the checkpoints on disk before it). ``logs`` gains each new wandb offline log, in order."""
+    sig = getattr(signal, f"SIG{args.signal}")
+    with open(log_path, "w") as log:
+        for _ in range(args.repeat):
+            signalled_run(command(args, work), draw(), sig, log, args.ddp, work)
+            logs += [p for p in wandb_logs(work / "run") if p not in logs]
+        saved = on_disk(work)
+        log.write(f"[fuzz_kill] on disk before the restart: {json.dumps(saved)}\n")
+        log.flush()
+        rc = finish(start(command(args, work), log))
+    logs += [p for p in wandb_logs(work / "run") if p not in logs]
+    return rc, saved
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,66 +479,53 @@ def main(argv: list[str] | None = None) -> int:
     sig = getattr(signal, f"SIG{args.signal}")
     if args.ddp and sig != signal.SIGKILL:
         raise SystemExit("--ddp kills one rank: use it with --signal KILL")
-    ref_dir = out / "reference"
     out.mkdir(parents=True, exist_ok=True)
-    timed_reference(command(args, ref_dir), out / "reference.log")
-    reference = outcome(ref_dir / "run")
-    # timed on a second uninterrupted run: the first pays one-off costs (compiling, the OS's file
-    # cache) that the signalled runs do not; it must also end exactly like the first
-    total, marks = timed_reference(command(args, out / "timing"), out / "timing.log")
-    if same(reference, outcome(out / "timing" / "run")):
-        raise SystemExit("two uninterrupted runs differ: the comparison cannot count anything (see timing.log)")
-    t_first = min(marks.values(), default=0.0)  # start-up (imports, config) is not drawn: nothing is written then
-    total = marks.get("outputs written", total)  # after the outputs only the exit is left: nothing to test
+    reference, ref_wandb, t_first, total, marks = references(args, out)
     print(f"[fuzz_kill] reference {total:.1f}s; phases began at " +
           ", ".join(f"{k} {v:.1f}s" for k, v in sorted(marks.items(), key=lambda kv: kv[1])), flush=True)
     rng = random.Random(args.seed)
+
+    def draw() -> float | str:
+        return rng.choice(EVENTS) if args.at == "event" else rng.uniform(t_first, total)
+
     passed, counted, late, landed, failures, trials = 0, 0, 0, {}, [], []
     for i in range(2 * args.runs):
         if counted == args.runs:
             break
-        work = out / f"run{i:03d}"
-        delay = rng.uniform(t_first, total)
+        work, when = out / f"run{i:03d}", draw()
         with open(out / f"run{i:03d}.signalled.log", "w") as log:
-            hit = signalled_run(command(args, work), delay, sig, log, args.ddp)
+            hit = signalled_run(command(args, work), when, sig, log, args.ddp, work)
         where = phase((out / f"run{i:03d}.signalled.log").read_text(errors="replace")) if hit else "finished first"
         if where in ("outputs written", "finished first"):
             late += 1
-            # this run was faster than the timed one (a machine shared with other work): later
-            # draws stay below the moment it had already written its outputs by
-            total = max(t_first + 0.5, delay)
-            print(f"[fuzz_kill] draw {i}: SIG{args.signal} at {delay:.1f}s landed after the outputs ({where}): "
-                  f"not counted, drawn again (now before {total:.1f}s)", flush=True)
+            if not isinstance(when, str):  # this run was faster than the timed one (a machine shared with
+                total = max(t_first + 0.5, when)  # other work): later draws stay below where it had got to
+            print(f"[fuzz_kill] draw {i}: SIG{args.signal} {shown(when)} landed after the outputs ({where}): "
+                  f"not counted, drawn again", flush=True)
             continue
-        restart_log = out / f"run{i:03d}.restarts.log"
-        with open(restart_log, "w") as log:
-            for _ in range(args.repeat):
-                signalled_run(command(args, work), rng.uniform(t_first, total), sig, log, args.ddp)
-            saved = on_disk(work)
-            log.write(f"[fuzz_kill] on disk before the restart: {json.dumps(saved)}\n")
-            log.flush()
-            rc = start(command(args, work), log).wait()
+        logs = list(wandb_logs(work / "run"))
+        rc, saved = restart(args, work, out / f"run{i:03d}.restarts.log", draw, logs)
         counted += 1
         landed[where] = landed.get(where, 0) + 1
-        text = restart_log.read_text(errors="replace")
-        problems = judge(reference, work, rc, saved, text)
-        trials.append({"run": i, "signal_s": round(delay, 2), "phase": where, "on_disk": saved,
-                       "resumed_at": resumed_at(text), "passed": not problems})
+        text = (out / f"run{i:03d}.restarts.log").read_text(errors="replace")
+        problems = judge(reference, work, rc, saved, text, (ref_wandb, logs) if ref_wandb is not None else None)
+        trials.append({"run": i, "signal_at": when, "phase": where, "on_disk": saved, "resumed_at": resumed_at(text),
+                       "wandb_logs": [p.parent.name for p in logs], "passed": not problems})
         passed += not problems
         if problems:
             failures.append({"run": i, "phase": where, "problems": problems})
         resumed = ", ".join(f"{k} from step {v}" for k, v in saved.items() if v is not None) or "nothing on disk"
-        print(f"[fuzz_kill] run {i}: SIG{args.signal} at {delay:.1f}s ({where}; {resumed}), one restart: "
+        print(f"[fuzz_kill] run {i}: SIG{args.signal} {shown(when)} ({where}; {resumed}), one restart: "
               f"{'passed' if not problems else 'FAILED: ' + '; '.join(problems)}", flush=True)
     print(f"[fuzz_kill] signals landed in: {', '.join(f'{k} {v}' for k, v in sorted(landed.items()))}"
           f"; {late} landed after the outputs (not counted)")
     print(f"[fuzz_kill] {passed}/{args.runs} passed: one restart each, resumed at or after the checkpoint on "
-          f"disk, identical to the uninterrupted run (SIG{args.signal}{', one DDP rank' if args.ddp else ''}, "
-          f"reference {total:.1f}s)")
+          f"disk, identical to the uninterrupted run (SIG{args.signal}{', one DDP rank' if args.ddp else ''}"
+          f"{', one wandb run' if ref_wandb is not None else ''}, reference {total:.1f}s)")
     (out / "fuzz_kill.json").write_text(json.dumps({
         "runs": args.runs, "counted": counted, "passed": passed, "identical": passed, "after_outputs": late,
-        "signal": args.signal, "ddp": args.ddp, "landed": landed, "failures": failures, "trials": trials,
-        "reference_s": total}, indent=1))
+        "signal": args.signal, "ddp": args.ddp, "logger": args.logger, "at": args.at, "landed": landed,
+        "failures": failures, "trials": trials, "reference_s": total}, indent=1))
     return 0 if passed == counted == args.runs else 1
 
 
