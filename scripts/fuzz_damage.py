@@ -235,7 +235,7 @@ def wandb_untouched(damaged: Path, stopped: Path, run_dir: Path) -> bool:
     """A damaged file of the stopped run's wandb offline directory was not read by the resumed run,
     and the resumed run logged to the same wandb run id in an offline directory of its own, whose
     transaction log reads to its end."""
-    if "wandb" not in damaged.relative_to(run_dir).parts or was_read(damaged):
+    if run_dir not in damaged.parents or "wandb" not in damaged.relative_to(run_dir).parts or was_read(damaged):
         return False
     new = [p for p in fk.wandb_logs(run_dir) if not (stopped / p.relative_to(run_dir)).exists()]
     stored = (run_dir / "wandb_id.txt").read_text().strip()
