@@ -86,67 +86,65 @@ def _chunk_loss(
 class AngleLoss(torch.autograd.Function):
     """Sum over valid triples of LD(psi_s, psi_t), chunked over vertices, gradient fused into forward.
 
-    Inputs are the student's Gram matrix and its per-vertex pieces (``angle_pieces``) and the
-    teacher's (no gradient). The forward sweeps (point set, vertex) chunks and, when a gradient is
-    wanted, accumulates dL/dG, dL/dc, dL/dinv right away, so nothing of size n^3 (or n w^2) outlives
-    a chunk and the backward pass only scales the stored (P, n, n) / (P, n, w) gradients.
+    Inputs are both sides' Gram matrices ``g`` (2, P, n, n) and per-vertex pieces ``c``, ``inv``
+    (2, P, n, w) (``angle_pieces``), the student's at index 0 and the teacher's at 1 (no gradient
+    flows to it), so each chunk's cosines of both sides are one set of ops. The forward sweeps
+    (point set, vertex) chunks and, when a gradient is wanted, accumulates dL/dG, dL/dc, dL/dinv
+    right away, so nothing of size n^3 (or n w^2) outlives a chunk and the backward pass only scales
+    the stored gradients (the teacher's half stays 0).
     """
 
     @staticmethod
-    def forward(ctx, gs, c_s, inv_s, gt, c_t, inv_t, valid, window, loss, beta, chunk_elems, want):  # type: ignore[override]
-        P, n, w = c_s.shape
+    def forward(ctx, g, c, inv, valid, window, loss, beta, chunk_elems, want):  # type: ignore[override]
+        _, P, n, w = c.shape
         windowed = w < n
         if windowed:
-            pad = window
-            side = n + 2 * pad
-            hs_src, ht_src = (F.pad(g, (pad, pad, pad, pad)) for g in (gs, gt))
-            # H[p, j, a, b] = Gpad[p, j + a, j + b]: a strided view, nothing gathered or copied.
-            stride = (side * side, side + 1, side, 1)
-            hs_all = hs_src.as_strided((P, n, w, w), stride)
-            ht_all = ht_src.as_strided((P, n, w, w), stride)
-            ar = torch.arange(w, device=gs.device)
+            side = n + 2 * window
+            src = F.pad(g, (window, window, window, window))
+            # H[s, p, j, a, b] = Gpad[s, p, j + a, j + b]: a strided view, nothing gathered or copied.
+            h_all = src.as_strided((2, P, n, w, w), (P * side * side, side * side, side + 1, side, 1))
+            ar = torch.arange(w, device=g.device)
             flat_local = ar[:, None] * side + ar[None, :]  # (w, w) offsets from the vertex's corner
-            dg_pad = torch.zeros_like(hs_src) if want else None
-        else:
-            dg = torch.zeros_like(gs) if want else None
-        dc = torch.zeros_like(c_s) if want else None
-        dinv = torch.zeros_like(inv_s) if want else None
-        total = torch.zeros((), dtype=torch.float64, device=gs.device)  # no host sync per chunk
+        grads = [torch.zeros_like(x) for x in ((src if windowed else g), c, inv)] if want else None
+        total = torch.zeros((), dtype=torch.float64, device=g.device)  # no host sync per chunk
         for p0, p1, j0, j1 in _chunks(P, n, w, chunk_elems):
-            if windowed:
-                hs, ht = hs_all[p0:p1, j0:j1], ht_all[p0:p1, j0:j1]
-            else:
-                hs, ht = gs[p0:p1, None], gt[p0:p1, None]
-            cos_s, scale = cosines(hs, c_s[p0:p1, j0:j1], inv_s[p0:p1, j0:j1])
-            cos_t, _ = cosines(ht, c_t[p0:p1, j0:j1], inv_t[p0:p1, j0:j1])
-            val, e, sym = _chunk_loss(cos_s, cos_t, valid[p0:p1, j0:j1], loss, beta, want)
+            h = h_all[:, p0:p1, j0:j1] if windowed else g[:, p0:p1, None]
+            cos, scale = cosines(h, c[:, p0:p1, j0:j1], inv[:, p0:p1, j0:j1])
+            val, e, sym = _chunk_loss(cos[0], cos[1], valid[p0:p1, j0:j1], loss, beta, want)
             total += val
-            if not want:
-                continue
-            f = e * scale  # dL/dH_ab = dL/dc.. = E_ab inv_a inv_b
-            ec = e.mul_(cos_s)  # dL/dinv_a = sum_b (E_ab + E_ba) cos_ab / inv_a
-            if sym:
-                dc[p0:p1, j0:j1] += 2.0 * f.sum(-1)
-                t = 2.0 * ec.sum(-1)
-            else:
-                dc[p0:p1, j0:j1] += f.sum(-1) + f.sum(-2)
-                t = ec.sum(-1) + ec.sum(-2)
-            ich = inv_s[p0:p1, j0:j1]
-            dinv[p0:p1, j0:j1] += t * torch.where(ich > 0, ich.reciprocal(), torch.zeros_like(ich))
-            if windowed:
-                corner = torch.arange(j0, j1, device=gs.device) * (side + 1)
-                index = (corner[:, None, None] + flat_local[None]).reshape(-1)
-                dg_pad[p0:p1].view(p1 - p0, -1).index_add_(1, index, f.reshape(p1 - p0, -1))
-            else:
-                dg[p0:p1] += f.sum(1)
+            if want:
+                _chunk_grads(grads, e, sym, cos[0], scale[0], inv[0, p0:p1, j0:j1], (p0, p1, j0, j1),
+                             (side, flat_local) if windowed else None)
         if want:
             if windowed:
-                dg = dg_pad[:, window:window + n, window:window + n].contiguous()
-            scale_mse = 2.0 if loss == "mse" else 1.0
-            ctx.save_for_backward(dg * scale_mse, dc * scale_mse, dinv * scale_mse)
-        return total.to(gs.dtype)
+                grads[0] = grads[0][..., window:window + n, window:window + n].contiguous()
+            ctx.save_for_backward(*grads)
+            ctx.mse = loss == "mse"
+        return total.to(g.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        dg, dc, dinv = ctx.saved_tensors
-        return (grad_out * dg, grad_out * dc, grad_out * dinv) + (None,) * 9
+        k = 2.0 * grad_out if ctx.mse else grad_out  # mse: E is half the derivative
+        return tuple(k * d for d in ctx.saved_tensors) + (None,) * 6
+
+
+def _chunk_grads(grads, e, sym: bool, cos_s, scale, ich, block, windowed) -> None:
+    """Add one chunk's dL/dG, dL/dc, dL/dinv (student half) to ``grads`` in place."""
+    dg, dc, dinv = grads
+    p0, p1, j0, j1 = block
+    f = e * scale  # dL/dH_ab = dL/dc.. = E_ab inv_a inv_b
+    ec = e.mul_(cos_s)  # dL/dinv_a = sum_b (E_ab + E_ba) cos_ab / inv_a
+    if sym:
+        dc[0, p0:p1, j0:j1].add_(f.sum(-1), alpha=2.0)
+        t = 2.0 * ec.sum(-1)
+    else:
+        dc[0, p0:p1, j0:j1].add_(f.sum(-1) + f.sum(-2))
+        t = ec.sum(-1) + ec.sum(-2)
+    dinv[0, p0:p1, j0:j1].add_(t * torch.where(ich > 0, ich.reciprocal(), torch.zeros_like(ich)))
+    if windowed is None:
+        dg[0, p0:p1].add_(f.sum(1))
+        return
+    side, flat_local = windowed
+    corner = torch.arange(j0, j1, device=dg.device) * (side + 1)
+    index = (corner[:, None, None] + flat_local[None]).reshape(-1)
+    dg[0, p0:p1].view(p1 - p0, -1).index_add_(1, index, f.reshape(p1 - p0, -1))

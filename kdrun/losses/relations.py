@@ -102,10 +102,10 @@ def center(x: torch.Tensor, mask: torch.Tensor, count: torch.Tensor | None = Non
     rather than multiplying by the mask, so whatever padding holds (even inf/NaN) cannot leak into
     the relations.
     """
-    m = mask.bool().unsqueeze(-1)
-    x = torch.where(m, x, torch.zeros_like(x))
+    pad = ~mask.bool().unsqueeze(-1)
+    x = x.masked_fill(pad, 0.0)
     mean = x.sum(-2, keepdim=True) / (valid_points(mask) if count is None else count)
-    return torch.where(m, x - mean, torch.zeros_like(x))
+    return (x - mean).masked_fill(pad, 0.0)
 
 
 def gram(x: torch.Tensor) -> torch.Tensor:
@@ -114,13 +114,13 @@ def gram(x: torch.Tensor) -> torch.Tensor:
 
 
 def _safe_rsqrt(v: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-    """1/sqrt(v) where ``ok`` else 0, with finite gradients everywhere."""
-    return torch.where(ok, torch.rsqrt(torch.where(ok, v, torch.ones_like(v))), torch.zeros_like(v))
+    """1/sqrt(v) where ``ok`` else 0, with finite gradients everywhere (1/sqrt(1) * 0 elsewhere)."""
+    return torch.rsqrt(torch.where(ok, v, torch.ones_like(v))) * ok
 
 
 def _safe_sqrt(v: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-    """sqrt(v) where ``ok`` else 0, with finite gradients everywhere."""
-    return torch.where(ok, torch.sqrt(torch.where(ok, v, torch.ones_like(v))), torch.zeros_like(v))
+    """sqrt(v) where ``ok`` else 0, with finite gradients everywhere (sqrt(1) * 0 elsewhere)."""
+    return torch.sqrt(torch.where(ok, v, torch.ones_like(v))) * ok
 
 
 def pair_mask(mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -151,7 +151,7 @@ def pair_relation(
     _check_phi(phi, normalize)
     with full_precision(x.device):
         valid = pair_mask(mask, window)
-        return _relation(x.to(relation_dtype(x)), mask, valid, phi, normalize), valid
+        return _relation(_pair_gram(x.to(relation_dtype(x)), mask, phi), valid, phi, normalize), valid
 
 
 def _check_phi(phi: str, normalize: bool) -> None:
@@ -161,14 +161,20 @@ def _check_phi(phi: str, normalize: bool) -> None:
         raise ValueError("normalize=true applies to distances (phi=l2), not to cosine similarities")
 
 
-def _relation(x: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor, phi: str, normalize: bool,
-              count: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`pair_relation`'s matrix of ``x`` (..., P, n, d) given the pairs' ``valid`` (P, n, n)
-    and the sets' :func:`valid_points` ``count`` (computed here when None)."""
-    dt = x.dtype
+def _pair_gram(x: torch.Tensor, mask: torch.Tensor, phi: str, count: torch.Tensor | None = None) -> torch.Tensor:
+    """The Gram matrix a pair relation is read from: of the centred points (``l2``; ``count``: the
+    sets' :func:`valid_points`, computed when None) or of the points, padding zeroed (``cosine``)."""
     if phi == "l2":
-        g = gram(center(x, mask, count))
-        d = g.diagonal(dim1=-2, dim2=-1)
+        return gram(center(x, mask, count))
+    return gram(x.masked_fill(~mask.bool().unsqueeze(-1), 0.0))
+
+
+def _relation(g: torch.Tensor, valid: torch.Tensor, phi: str, normalize: bool) -> torch.Tensor:
+    """:func:`pair_relation`'s matrix from :func:`_pair_gram`'s ``g`` (..., P, n, n) and the pairs'
+    ``valid`` (P, n, n); leading dims (stacked layers, both sides) share the validity."""
+    dt = g.dtype
+    d = g.diagonal(dim1=-2, dim2=-1)
+    if phi == "l2":
         s = d[..., :, None] + d[..., None, :]
         sq = s - 2.0 * g
         ok = valid & (sq > _tol(dt) * s + _tiny(dt))
@@ -178,22 +184,20 @@ def _relation(x: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor, phi: str
             mean = rel.sum((-1, -2)) / cnt
             rel = rel / mean.clamp_min(_tiny(dt))[..., None, None]
         return rel
-    x = torch.where(mask.bool().unsqueeze(-1), x, torch.zeros_like(x))
-    g = gram(x)
-    d = g.diagonal(dim1=-2, dim2=-1)
     inv = _safe_rsqrt(d, d > _tiny(dt))
     rel = (g * inv[..., :, None] * inv[..., None, :]).clamp(-1.0, 1.0)
     return torch.where(valid, rel, torch.zeros_like(rel))
 
 
-def _match_sum(rs: torch.Tensor, rt: torch.Tensor, valid: torch.Tensor, loss: str,
+def _match_sum(rel: torch.Tensor, valid: torch.Tensor, loss: str,
                huber_beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed matching loss over ``valid`` and its ``mean`` denominator (entries; rows for kl)."""
+    """Summed matching loss over ``valid`` between ``rel[0]`` (student) and ``rel[1]`` (teacher),
+    and its ``mean`` denominator (entries; rows for kl)."""
     if loss not in LOSSES:
         raise ValueError(f"matching loss '{loss}' must be one of {LOSSES}")
+    rs, rt = rel[0], rel[1]
     if loss == "kl":
-        ls = F.log_softmax(rs.masked_fill(~valid, MASKED_LOGIT), dim=-1)
-        lt = F.log_softmax(rt.masked_fill(~valid, MASKED_LOGIT), dim=-1)
+        ls, lt = F.log_softmax(rel.masked_fill(~valid, MASKED_LOGIT), dim=-1)
         rows = valid.any(-1)
         kl = (lt.exp() * (lt - ls)).sum(-1)
         return (kl * rows).sum(), rows.sum()
@@ -245,10 +249,11 @@ def pair_loss(
     with full_precision(xs.device):
         valid = pair_mask(mask, window)
         count = valid_points(mask) if phi == "l2" else None
-        rs = _relation(xs.to(relation_dtype(xs)), mask, valid, phi, normalize, count)
+        gs = _pair_gram(xs.to(relation_dtype(xs)), mask, phi, count)
         with torch.no_grad():
-            rt = _relation(xt.to(relation_dtype(xt)), mask, valid, phi, normalize, count)
-        total, count = _match_sum(rs, rt.to(rs.dtype), valid, loss, huber_beta)
+            gt = _pair_gram(xt.to(relation_dtype(xt)), mask, phi, count).to(gs.dtype)
+        # both sides' relations in one set of ops (none flows to the teacher)
+        total, count = _match_sum(_relation(torch.stack([gs, gt]), valid, phi, normalize), valid, loss, huber_beta)
         if reduction == "official":
             count = official_count(mask, window, 2)
         return total / count.clamp_min(1).to(total.dtype)
@@ -347,20 +352,19 @@ def angle_loss(
         layout = _angle_layout(n, window, xs.device)
         valid, points = angle_valid(mask, window, layout), valid_points(mask)
         gs = gram(center(xs.to(dt), mask, points))
-        c_s, inv_s = angle_geometry(gs, valid, layout)
         with torch.no_grad():
             gt = gram(center(xt.to(dt), mask, points))
-            c_t, inv_t = angle_geometry(gt, valid, layout)
+        g = torch.stack([gs, gt])  # both sides' geometry in one set of ops; none flows to the teacher
+        c, inv = angle_geometry(g, valid, layout)
         cnt = valid.sum(-1)
         count = cnt.sum() if loss == "kl" else (cnt * cnt).sum()
         if reduction == "official":
             count = official_count(mask, window, 3)
-        w = c_s.shape[-1]
-        window_eff = window if w < n else None
+        w = c.shape[-1]
         want = torch.is_grad_enabled() and gs.requires_grad
-        flat = [t.reshape(-1, n, t.shape[-1]) for t in (gs, c_s, inv_s, gt, c_t, inv_t)]
-        stacked = valid.expand(*c_s.shape[:-3], *valid.shape).reshape(-1, n, w)
-        total = AngleLoss.apply(*flat, stacked, window_eff, loss, float(huber_beta),
+        flat = [t.reshape(2, -1, n, t.shape[-1]) for t in (g, c, inv)]
+        stacked = valid.expand(*c.shape[1:-3], *valid.shape).reshape(-1, n, w)
+        total = AngleLoss.apply(*flat, stacked, window if w < n else None, loss, float(huber_beta),
                                 int(chunk_elems or CHUNK_ELEMS.get(xs.device.type, CHUNK_ELEMS["cuda"])), want)
         return total / count.clamp_min(1).to(dt)
 
