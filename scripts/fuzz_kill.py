@@ -403,15 +403,15 @@ def wandb_problems(reference: list, run_dir: Path, logs: list[Path]) -> list[str
     wandb run equal to the uninterrupted one's: every run id is the one in wandb_id.txt, no offline run
     logs a step twice, the restart's log reads to its end, and the synced history has every step of
     ``reference`` once, with the same values (timing fields left out)."""
-    hist = [wandb_history(p) for p in logs]
+    hist = [h for h in map(wandb_history, logs) if h["id"] or h["rows"]]  # a SIGKILL can leave a log of no run
     stored = (run_dir / "wandb_id.txt").read_text().strip() if (run_dir / "wandb_id.txt").is_file() else None
     problems = [] if hist and {h["id"] for h in hist} == {stored} else [
         f"wandb: run ids {sorted(str(h['id']) for h in hist)}, {stored!r} in wandb_id.txt"]
     problems += [f"wandb: the restart's log: {hist[-1]['problem']}"] if hist and hist[-1]["problem"] else []
-    for p, h in zip(logs, hist):
+    for h in hist:
         steps = [s for s, _ in h["rows"]]
         if steps != sorted(set(steps)):
-            problems.append(f"wandb: {p.parent.name} logs a step twice or out of order ({steps})")
+            problems.append(f"wandb: an offline run logs a step twice or out of order ({steps})")
     rows = synced_rows(hist)
     got, want = [s for s, _ in rows], [s for s, _ in reference]
     if got != want:

@@ -82,6 +82,20 @@ def run_cfg(cache_dir: Path):
     return make
 
 
+@pytest.fixture
+def no_leftover_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Every process the test starts inherits ``KDRUN_TEST_TMP=<tmp_path>`` (tests/procs.py); after the
+    test none may be left: they get 30 s to end (wandb's service ends a moment after its run), then
+    what is left is killed and the test fails, naming them."""
+    from tests import procs
+
+    monkeypatch.setenv(procs.TAG, str(tmp_path))
+    yield
+    left = procs.wait_gone(lambda: procs.processes_of(tmp_path), timeout=30)
+    procs.kill_all(left)
+    assert not left, f"processes still running after the test: {left}"
+
+
 def slow_test_ids() -> frozenset[str]:
     """tests/slow.txt: the node ids (without parameters) of the tests the fast loop leaves out."""
     text = (Path(__file__).parent / "slow.txt").read_text()

@@ -17,6 +17,9 @@ from safetensors.torch import load_file
 from tests.conftest import TINY, TOY, compose
 from tests.test_sweeps import env_for, kdrun, weights
 
+# after each test no process it started may be left (tests/procs.py)
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
 # tinybert: an intermediate-layer stage (the classifier gets no gradient: DDP must look for unused
 # parameters) and a prediction stage (it must not); student dropout stays on.
 ARGS = [*TINY, *TOY, "objective=tinybert", "objective.params.intermediate_epochs=1",

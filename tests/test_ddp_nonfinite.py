@@ -11,11 +11,15 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import TINY, TOY
 from tests.test_sweeps import env_for
+
+# after each test no process it started may be left (tests/procs.py)
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 def _watch_worker(rank: int, port: int, out: str) -> None:

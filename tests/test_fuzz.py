@@ -7,14 +7,21 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import struct
+import subprocess
+import sys
+import zlib
 from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
 
+from tests import procs
 from tests.conftest import load_script
 
 
+@pytest.mark.usefixtures("no_leftover_processes")
 @pytest.mark.parametrize("sig,runs", [("KILL", 2), ("TERM", 1)])
 def test_fuzz_kill_fast(tmp_path: Path, sig: str, runs: int) -> None:
     buf = io.StringIO()
@@ -26,6 +33,7 @@ def test_fuzz_kill_fast(tmp_path: Path, sig: str, runs: int) -> None:
     assert f"{runs}/{runs} passed" in buf.getvalue()
 
 
+@pytest.mark.usefixtures("no_leftover_processes")
 def test_fuzz_kill_ddp_rank_fast(tmp_path: Path) -> None:
     """Two processes under torchrun; SIGKILL to rank 1 alone; one restart ends identically."""
     buf = io.StringIO()
@@ -77,6 +85,7 @@ def test_fuzz_kill_comparison_sees_a_difference(tmp_path: Path) -> None:
     assert fk.same(a, {**a, "log": [{"train/loss": 1.0000001}]}) == ["metrics.jsonl"]
 
 
+@pytest.mark.usefixtures("no_leftover_processes")
 def test_fuzz_damage_fast(tmp_path: Path) -> None:
     """A few damaged files per scenario, each rerun: nothing is used silently."""
     buf = io.StringIO()
@@ -133,6 +142,7 @@ def test_a_manifest_with_a_damaged_byte_is_reported_not_raised(tmp_path: Path) -
     assert entry_problem(tmp_path).startswith("manifest unreadable")
 
 
+@pytest.mark.usefixtures("no_leftover_processes")
 def test_fuzz_faults_fast(tmp_path: Path) -> None:
     """A NaN at a random step, three racing builders, a full run directory and a full cache (tmpfs,
     where the tests may mount one)."""
@@ -165,3 +175,113 @@ def test_disk_full_errors_name_the_place(tmp_path: Path) -> None:
         assert disk_full(outer, places) is not None  # found down the exception's chain
     assert disk_full(ValueError("bad value"), places) is None
     assert disk_full(OSError(errno.EACCES, "Permission denied"), places) is None
+
+
+# ------------------------------------------------------------------------- wandb's offline runs
+
+def wandb_log(path: Path, run_id: str | None, rows: list[tuple[int, dict]], pad: int = 0) -> Path:
+    """A wandb transaction log as wandb writes it: ``:W&B``, version, then each record in LevelDB-log
+    chunks (CRC-32 of type and data, length, type) that never cross a 32 KiB block; ``pad`` bytes of
+    filler per history value make records span blocks."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    records = [pb.Record(run=pb.RunRecord(run_id=run_id))] if run_id else []
+    for step, values in rows:
+        rec = pb.Record()
+        rec.history.step.num = step
+        for k, v in {**values, "_filler": json.dumps("x" * pad)}.items():
+            rec.history.item.add(key=k, value_json=v)
+        records.append(rec)
+    out = bytearray(b":W&B" + struct.pack("<HB", 0xBEE1, 0))
+    for data in (r.SerializeToString() for r in records):
+        first = True
+        while True:
+            room = 32768 - len(out) % 32768
+            if room < 7:
+                out += bytes(room)
+                continue
+            part, data = data[:room - 7], data[room - 7:]
+            kind = (1 if not data else 2) if first else (4 if not data else 3)
+            out += struct.pack("<IHB", zlib.crc32(bytes([kind]) + part), len(part), kind) + part
+            first = False
+            if not data:
+                break
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bytes(out))
+    return path
+
+
+def test_fuzz_wandb_log_reader_reads_across_blocks_and_sees_damage(tmp_path: Path) -> None:
+    fk = load_script("fuzz_kill")
+    rows = [(s, {"train/loss": json.dumps(s / 7), "train/examples_per_s": "9"}) for s in range(1, 60)]
+    log = wandb_log(tmp_path / "run-a.wandb", "a", rows, pad=2000)  # about 120 KiB: 4 blocks
+    assert log.stat().st_size > 3 * 32768
+    h = fk.wandb_history(log)
+    assert h["id"] == "a" and h["problem"] is None
+    assert h["rows"] == [(s, {"train/loss": json.dumps(s / 7)}) for s in range(1, 60)]  # timings left out
+    raw = bytearray(log.read_bytes())
+    raw[50000] ^= 0xFF
+    log.write_bytes(bytes(raw))
+    h = fk.wandb_history(log)
+    assert h["problem"].startswith("a damaged or cut record") and 0 < len(h["rows"]) < 59
+    assert [s for s, _ in h["rows"]] == list(range(1, len(h["rows"]) + 1))  # the rows before the damage
+    log.write_bytes(bytes(raw[:-10]))
+    assert fk.wandb_history(log)["problem"] is not None
+
+
+def test_fuzz_wandb_check_sees_a_gap_a_repeat_a_second_run_and_other_values(tmp_path: Path) -> None:
+    fk = load_script("fuzz_kill")
+    a, b, c = ({"train/loss": v} for v in ("0.5", "0.25", "0.125"))
+    ref = [(5, a), (10, b), (15, c)]
+    run = tmp_path / "run"
+    (run / "wandb_id.txt").parent.mkdir(parents=True)
+    (run / "wandb_id.txt").write_text("r1\n")
+
+    def problems(*logs: tuple[str | None, list]) -> list[str]:
+        paths = [wandb_log(run / "wandb" / f"offline-run-{i}" / "run.wandb", rid, rows)
+                 for i, (rid, rows) in enumerate(logs)]
+        return fk.wandb_problems(ref, run, paths)
+
+    # the killed run logged 5 and 10; the restart, resumed from a checkpoint at 5, logs 10 again (dropped)
+    assert problems(("r1", [(5, a), (10, b)]), ("r1", [(10, b), (15, c)])) == []
+    assert problems((None, []), ("r1", [(5, a), (10, b), (15, c)])) == []  # a SIGKILL left a log of no run
+    assert problems((None, []), ("r1", [(10, b), (15, c)])) == ["wandb: steps [10, 15], the uninterrupted run's "
+                                                                "[5, 10, 15]"]
+    assert problems(("r1", [(5, a)]), ("r2", [(10, b), (15, c)]))[0].startswith("wandb: run ids ['r1', 'r2']")
+    assert problems(("r1", [(5, a), (5, a), (10, b), (15, c)]))[0].startswith("wandb: an offline run logs a step twice")
+    assert problems(("r1", [(5, a), (10, c), (15, c)])) == ["wandb: values differ at steps [10]"]
+
+
+def test_fuzz_kill_events_are_what_the_run_wrote(tmp_path: Path) -> None:
+    """--at event signals on what is on disk or in the log, never on a clock."""
+    fk = load_script("fuzz_kill")
+    assert not any(fk.reached(e, tmp_path, "") for e in fk.EVENTS)
+    assert fk.reached("stage 0", tmp_path, "[kdrun] stage 0:intermediate ...")
+    ckpt = tmp_path / "cache" / "teachers" / ".k.partial" / "checkpoints" / "last"
+    ckpt.mkdir(parents=True)
+    assert not fk.reached("teacher checkpoint", tmp_path, "")
+    (ckpt / ".complete").write_text("{}")
+    assert fk.reached("teacher checkpoint", tmp_path, "") and not fk.reached("teacher published", tmp_path, "")
+    last = tmp_path / "run" / "checkpoints" / "last"
+    last.mkdir(parents=True)
+    (last / "state.json").write_text('{"global_step": 3}')
+    assert fk.reached("student step 3", tmp_path, "") and not fk.reached("student step 6", tmp_path, "")
+    assert fk.parse_args(["--fast"]).at == "event" and fk.parse_args([]).at == "time"
+
+
+def test_fuzz_leftover_check_finds_a_process_in_a_session_of_its_own(tmp_path: Path) -> None:
+    """The check the fuzz, DDP and SLURM tests end with: a grandchild whose parent has exited and
+    that left the test's session is still found by the tag it inherited, and only it."""
+    spawn = ("import subprocess; print(subprocess.Popen(['sleep', '60'], start_new_session=True, "
+             "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)")
+    env = {**os.environ, procs.TAG: str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", spawn], env=env, capture_output=True, text=True, check=True)
+    untagged = subprocess.Popen(["sleep", "60"])
+    try:
+        orphan = int(out.stdout)
+        assert procs.processes_of(tmp_path) == {orphan: "sleep 60"}
+        assert procs.processes_of(tmp_path / "other") == {}
+    finally:
+        procs.kill_all([orphan, untagged.pid])
+        untagged.wait()
+    assert procs.wait_gone(lambda: procs.processes_of(tmp_path), timeout=10) == {}
