@@ -2,7 +2,7 @@
 # A real one-node SLURM on the local host, for kdrun's `slurm` tests and for trying launcher=slurm.
 #
 #   scripts/slurm_localhost.sh start [DIR]   # prints: export SLURM_CONF=DIR/slurm.conf
-#   scripts/slurm_localhost.sh stop  [DIR]   # ends exactly the daemons `start` started
+#   scripts/slurm_localhost.sh stop  [DIR]   # cancels the jobs, ends their steps and the daemons `start` started
 #   scripts/slurm_localhost.sh status [DIR]
 #
 # As root on Debian/Ubuntu: installs slurm-wlm and munge from the distribution's packages when
@@ -118,7 +118,35 @@ start() {
   echo "export SLURM_CONF=$CONF"
 }
 
+# The job steps of this cluster: each slurmstepd whose environment names $CONF (slurmd passes its
+# own on), printed with everything running under it (batch script, srun, tasks), children first.
+steps() {
+  local p
+  for p in /proc/[0-9]*; do
+    [ "$(cat "$p/comm" 2>/dev/null)" = slurmstepd ] || continue
+    tr '\0' '\n' 2>/dev/null <"$p/environ" | grep -qxF "SLURM_CONF=$CONF" || continue
+    under "${p#/proc/}"; echo "${p#/proc/}"
+  done
+}
+under() { local c; for c in $(cat /proc/"$1"/task/*/children 2>/dev/null); do under "$c"; echo "$c"; done; }
+
+# Cancel every job and wait (up to KillWait and a margin) until squeue lists none and no step is
+# left; kill what is still there after that.
+end_jobs() {
+  if alive "$DIR/slurmctld.pid"; then
+    local ids; ids=$(SLURM_CONF="$CONF" squeue -h -o %A 2>/dev/null | sort -u || true)
+    [ -z "$ids" ] || SLURM_CONF="$CONF" scancel $ids 2>/dev/null || true
+    for _ in $(seq 450); do
+      [ -z "$(SLURM_CONF="$CONF" squeue -h -o %A 2>/dev/null)" ] && [ -z "$(steps)" ] && return 0
+      sleep 0.1
+    done
+  fi
+  local left; left=$(steps)
+  [ -z "$left" ] || { echo "slurm_localhost: killing job processes still running: $left" >&2; kill -9 $left 2>/dev/null || true; }
+}
+
 stop() {
+  end_jobs
   for d in slurmd slurmctld munged; do
     local pidf="$DIR/$d.pid"
     if alive "$pidf"; then

@@ -1,6 +1,8 @@
 """Cluster-grade runs: a signal during teacher fine-tuning resumes it exactly (locally and under a
 real SLURM), and, on a real one-node SLURM started by scripts/slurm_localhost.sh, job arrays,
-preemption with requeue and two-task data-parallel jobs (tests marked ``slurm``)."""
+preemption with requeue and two-task data-parallel jobs (tests marked ``slurm``). Each SLURM test
+ends with its jobs cancelled and gone from squeue and none of its processes left (job steps,
+batch scripts, srun, tasks); the module ends with the daemons it started stopped."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests import procs
 from tests.conftest import REPO, TINY, TOY
 from tests.test_sweeps import assert_same_weights, env_for, kdrun, weights
 
@@ -158,8 +162,10 @@ SLURM_JOB = ["launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory) -> dict[str, str]:
-    """A running one-node SLURM (started here unless one already runs); its environment."""
+def slurm_cluster() -> Iterator[dict[str, str]]:
+    """A running one-node SLURM (started here unless one already runs); its environment. When it was
+    started here, it is stopped at the end (``slurm_localhost.sh stop``: its jobs cancelled, their
+    steps ended, then the daemons), and no daemon or job step of it may be left."""
     if sys.platform != "linux":
         pytest.skip("the local SLURM needs Linux")
     conf_dir = os.environ.get("KDRUN_SLURM_DIR", "/tmp/kdrun-slurm")
@@ -171,7 +177,44 @@ def slurm(tmp_path_factory) -> dict[str, str]:
     env = {"SLURM_CONF": f"{conf_dir}/slurm.conf"}
     yield env
     if not was_running:
-        subprocess.run([str(SLURM_SCRIPT), "stop", conf_dir], timeout=120)
+        subprocess.run([str(SLURM_SCRIPT), "stop", conf_dir], timeout=300)
+        conf = env["SLURM_CONF"]
+        left = procs.wait_gone(lambda: {**procs.slurm_steps(conf), **procs.slurm_daemons(conf)}, timeout=10)
+        procs.kill_all(left)
+        assert not left, f"SLURM processes still running after the cluster was stopped: {left}"
+
+
+def end_slurm_jobs(tmp: Path, env: dict[str, str], timeout: float = 90) -> list[str]:
+    """Cancel every job submitted from under ``tmp`` (its working directory), then wait until squeue
+    lists none of them and none of their steps nor any other process of the test is left (scancel
+    sends SIGTERM, then SIGKILL after the cluster's KillWait of 30 s); what is still there after
+    ``timeout`` seconds is killed. Returns what was left, as lines (empty: everything ended)."""
+    full = {**os.environ, **env}
+
+    def ours() -> set[str]:
+        out = subprocess.run(["squeue", "-h", "-o", "%A %Z"], env=full, capture_output=True, text=True).stdout
+        return {j for j, _, d in (line.partition(" ") for line in out.splitlines()) if tmp in Path(d).parents
+                or Path(d) == tmp}
+
+    jobs, deadline = ours(), time.monotonic() + timeout
+    if jobs:
+        subprocess.run(["scancel", *sorted(jobs)], env=full, capture_output=True)
+    while (queued := ours()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = procs.wait_gone(lambda: {**procs.processes_of(tmp), **procs.slurm_steps(env["SLURM_CONF"], jobs)},
+                           timeout=max(1.0, deadline - time.monotonic()))
+    procs.kill_all(left)
+    return [f"job {j} still in squeue" for j in sorted(queued)] + [f"{p}: {c}" for p, c in sorted(left.items())]
+
+
+@pytest.fixture
+def slurm(slurm_cluster: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """The cluster's environment for one test, whose processes carry ``KDRUN_TEST_TMP`` (tests/procs.py);
+    after the test its jobs are cancelled and waited for, and nothing of it may be left."""
+    monkeypatch.setenv(procs.TAG, str(tmp_path))
+    yield slurm_cluster
+    left = end_slurm_jobs(tmp_path, slurm_cluster)
+    assert not left, "left running after the test:\n" + "\n".join(left)
 
 
 def slurm_env(tmp: Path, slurm: dict[str, str]) -> dict[str, str]:
@@ -277,3 +320,24 @@ def test_slurm_two_tasks_per_node_is_one_data_parallel_job(tmp_path: Path, slurm
     assert [e["step"] for e in ddp["evals"]] == [e["step"] for e in single["evals"]]
     assert ddp["processes"] == 2 and single["processes"] == 1
     assert_same_weights(weights(res.parent), weights(tmp_path / "single"), atol=1e-5)
+
+
+@pytest.mark.slurm
+def test_slurm_teardown_ends_a_running_job_its_steps_and_tasks(tmp_path: Path, slurm_cluster) -> None:
+    """What each SLURM test's teardown does, on a two-task job still running (a batch script, srun,
+    two tasks): afterwards squeue lists no job of the test and no process of it is left."""
+    conf, env = slurm_cluster["SLURM_CONF"], {**os.environ, **slurm_cluster, procs.TAG: str(tmp_path)}
+    r = subprocess.run(["sbatch", "--ntasks=2", "--mem=100M", "--wrap", "srun sleep 600"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, check=True)
+    job = r.stdout.split()[-1]
+    deadline = time.time() + 120
+    while sum("sleep 600" in c for c in procs.processes_of(tmp_path).values()) < 3:  # srun's and both tasks'
+        assert time.time() < deadline, f"job {job} never started its tasks: {procs.processes_of(tmp_path)}"
+        time.sleep(0.2)
+    steps = procs.slurm_steps(conf, {job})
+    assert any(f"[{job}.batch]" in c for c in steps.values()) and any(f"[{job}.0]" in c for c in steps.values())
+    assert any(c.startswith("srun") for c in steps.values()), steps
+    assert end_slurm_jobs(tmp_path, slurm_cluster) == []
+    assert procs.processes_of(tmp_path) == {} and procs.slurm_steps(conf, {job}) == {}
+    queue = subprocess.run(["squeue", "-h", "-o", "%A"], env=env, capture_output=True, text=True).stdout.split()
+    assert job not in queue
