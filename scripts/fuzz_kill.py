@@ -4,7 +4,9 @@ uninterrupted one, each after exactly one restart that resumed where the killed 
     python scripts/fuzz_kill.py --runs 20                    # SIGKILL at 20 random moments
     python scripts/fuzz_kill.py --runs 20 --signal TERM      # graceful stop (also USR2: SLURM's warning)
     python scripts/fuzz_kill.py --runs 5 --ddp               # two processes (torchrun); one rank is killed
-    python scripts/fuzz_kill.py --runs 2 --fast              # the tests
+    python scripts/fuzz_kill.py --runs 10 --logger wandb     # also one offline wandb run, each step once
+    python scripts/fuzz_kill.py --runs 10 --at event         # signal at drawn events, not drawn moments
+    python scripts/fuzz_kill.py --runs 2 --fast              # the tests (--at event)
 
 The run: tiny models on the toy task, two stages (objective=tinybert: an intermediate-layer stage,
 then a prediction stage), a checkpoint every 3 steps, evaluation every 4, and a cache with no
@@ -17,7 +19,10 @@ at a moment drawn uniformly from [t0, T) (seeded: ``--seed``); with ``--ddp`` SI
 worker process (rank 1) alone, and torchrun stops the other. A signal that lands after the run
 printed its outputs (or after it exited) tests nothing: it is reported apart and drawn again
 (at most N extra draws), and T becomes that moment (the machine may be less busy than it was
-for the timed run). After the signal (and ``--repeat`` more signalled restarts), the script
+for the timed run). With ``--at event`` (the default with ``--fast``) the signal goes instead when
+the run reaches an event drawn from :data:`EVENTS` (a phase printed, a checkpoint written, the
+teacher published; ``--events`` narrows the draw), watched every 10 ms: where it lands does not
+depend on how busy the machine is. After the signal (and ``--repeat`` more signalled restarts), the script
 reads the checkpoint the run left on disk (``checkpoints/last``, or ``last.old`` from a swap cut
 between its renames; the teacher's in its cache entry's ``.partial`` directory) and restarts the
 run once. A run passes when:
@@ -27,7 +32,15 @@ run once. A run passes when:
   G at or after it; the same for the teacher's fine-tuning): a silent start-over fails;
 * its student weights are bit for bit the reference's, its results.json metrics (teacher, student,
   every evaluation) are equal, and its metrics.jsonl has the same records (throughput and timing
-  fields, which measure the machine, left out).
+  fields, which measure the machine, left out);
+* with ``--logger wandb`` (offline): the wandb offline runs the stopped run and its restart wrote
+  make one wandb run: every one that holds a run has the id in ``wandb_id.txt``, none logs a step
+  twice, the restart's transaction log reads to its end (each record's CRC-32 checked), and their
+  history as ``wandb sync`` of them in order leaves it (a resumed run's row at or below a step
+  already there is dropped) has every step of the uninterrupted run once, with the same values.
+
+Every process of a run (wandb's service, in a session of its own, too) is waited for before the
+next run starts; one still there a minute after its run ended is killed.
 
 Prints where each signal landed (the last phase the run had printed) and the count, e.g.
 ``20/20 passed``; exits 1 unless every counted run passed.
@@ -59,6 +72,8 @@ PHASES = [("fine-tuning the teacher", "teacher fine-tuning"), ("teacher trained 
           ("teacher store: building", "store building"), ("stage 0:intermediate", "stage 0"),
           ("stage 1:prediction", "stage 1"),
           ("outputs:", "outputs written")]
+EVENTS = ("teacher fine-tuning", "teacher checkpoint", "teacher published", "stage 0", "student step 3",
+          "student step 6")  # what --at event waits for before the signal, in the order a run reaches them
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -75,8 +90,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(a phase printed, a checkpoint written), whatever the machine's speed (default with --fast)")
     p.add_argument("--out", default="outputs/fuzz_kill")
     p.add_argument("--fast", action="store_true", help="a shorter run (one stage epoch each), for the tests")
+    p.add_argument("--events", default=",".join(EVENTS), help="with --at event: the events to draw from")
     args = p.parse_args(argv)
     args.at = args.at or ("event" if args.fast else "time")
+    args.events = args.events.split(",")
+    if set(args.events) - set(EVENTS):
+        p.error(f"--events: {', '.join(sorted(set(args.events) - set(EVENTS)))}: choose from {', '.join(EVENTS)}")
     return args
 
 
@@ -178,10 +197,6 @@ def rank_process(launcher: int, rank: int) -> int | None:
         except OSError:  # gone meanwhile
             continue
     return None
-
-
-EVENTS = ("teacher fine-tuning", "teacher checkpoint", "teacher published", "stage 0", "student step 3",
-          "student step 6")  # what --at event waits for before the signal, in the order a run reaches them
 
 
 def reached(event: str, work: Path, log_text: str) -> bool:
@@ -486,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
 
     def draw() -> float | str:
-        return rng.choice(EVENTS) if args.at == "event" else rng.uniform(t_first, total)
+        return rng.choice(args.events) if args.at == "event" else rng.uniform(t_first, total)
 
     passed, counted, late, landed, failures, trials = 0, 0, 0, {}, [], []
     for i in range(2 * args.runs):
