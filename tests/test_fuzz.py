@@ -43,6 +43,22 @@ def test_fuzz_kill_ddp_rank_fast(tmp_path: Path) -> None:
     assert rc == 0 and res["passed"] == res["counted"] == 1 and res["ddp"], buf.getvalue()
 
 
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_fuzz_kill_wandb_fast(tmp_path: Path) -> None:
+    """SIGTERM in the student stage under logger=wandb (offline): the stopped run's wandb offline run
+    and its restart's are one wandb run (the id in wandb_id.txt) holding every step once."""
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = load_script("fuzz_kill").main(["--fast", "--logger", "wandb", "--signal", "TERM", "--runs", "1",
+                                            "--events", "student step 3,student step 6", "--seed", "1",
+                                            "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "fuzz_kill.json").read_text())
+    assert rc == 0 and res["passed"] == res["counted"] == 1 and res["logger"] == "wandb", buf.getvalue()
+    (trial,) = res["trials"]
+    assert len(trial["wandb_logs"]) == 2 and trial["resumed_at"]["student"] >= 3  # stopped, then restarted
+    assert "one wandb run" in buf.getvalue()
+
+
 def test_fuzz_kill_judges_the_restart() -> None:
     """A run passes only when its one restart resumed from the checkpoint on disk (or later)."""
     fk = load_script("fuzz_kill")
