@@ -103,15 +103,17 @@ def test_fuzz_kill_comparison_sees_a_difference(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("no_leftover_processes")
 def test_fuzz_damage_fast(tmp_path: Path) -> None:
-    """A few damaged files per scenario, each rerun: nothing is used silently."""
+    """A few damaged files per scenario, each rerun: nothing is used silently; kdrun never reads the
+    files of a stopped run's wandb offline directory."""
     buf = io.StringIO()
     with redirect_stdout(buf):
         rc = load_script("fuzz_damage").main(["--fast", "--per-scenario", "2", "--seed", "3", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "fuzz_damage.json").read_text())
     assert rc == 0, buf.getvalue()
-    assert {t["scenario"] for t in res["trials"]} == {"task", "partial", "augment", "spans", "corpus"}
+    assert {t["scenario"] for t in res["trials"]} == {"task", "partial", "augment", "spans", "corpus", "wandb"}
     assert res["counts"].get("silently used", 0) == 0 and "0 silently used" in buf.getvalue()
     assert sum(res["counts"].get(k, 0) for k in ("rebuilt", "refused")) >= 9
+    assert {t["outcome"] for t in res["trials"] if t["scenario"] == "wandb"} == {"not read"}
 
 
 def test_fuzz_damage_damages_and_classifies(tmp_path: Path) -> None:
