@@ -130,6 +130,14 @@ def test_fuzz_damage_damages_and_classifies(tmp_path: Path) -> None:
     assert fd.classify(0, "training...\n", True, names) == "silently used"
     assert fd.classify(0, said, True, names) == "rebuilt"
     assert fd.classify(0, said, False, names) == "wrong"
+    assert fd.classify(0, "training...\n", True, names, unread=True) == "not read"  # wandb's, and nothing read it
+    assert fd.classify(0, "training...\n", False, names, unread=True) == "silently used"
+    g = tmp_path / "g.bin"
+    g.write_bytes(b"abc")
+    fd.mark_unread(g)
+    assert not fd.was_read(g) and g.read_bytes() == b"abc" and fd.was_read(g) == fd.atime_works(tmp_path)
+    g.unlink()
+    assert not fd.was_read(g)  # deleted and not recreated
     other = "[kdrun] cache entry /c/teachers/j is damaged (y is missing); moved to /c/teachers/.damaged/j"
     assert fd.classify(0, other, True, names) == "silently used"  # a message about another entry
     best = ("/r/checkpoints/best/student.safetensors", "/r/checkpoints/best")
