@@ -142,3 +142,46 @@ def test_mgskd_sample_stacked_equals_per_pair(pair: bool, padded: bool) -> None:
     got = mgskd_call("mgskd_sample", s, t, module, heads=4, pair=pair, angle=True, huber_beta=0.5)
     want = per_pair_sample(s, t, module, 4, pair, 0.5)
     assert_equal_with_grads(got, want, s.hidden_states)
+
+
+# -------------------------------------------------------------------------------------- TinyBERT
+
+def attention_features(padded: bool, B: int = 3, h: int = 2, n: int = 7, seed: int = 0):
+    """Features whose attention scores are given directly (layers 1..4 student, 1..6 teacher)."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(B, n, dtype=torch.long)
+    if padded:
+        mask[1, 5:] = 0
+        mask[2, 3:] = 0
+    scores_s = {i: torch.randn(B, h, n, n, generator=g, dtype=torch.float64).requires_grad_(True) for i in range(1, 5)}
+    scores_t = {i: torch.randn(B, h, n, n, generator=g, dtype=torch.float64) * 3.0 for i in range(1, 7)}
+    scores_t[2][..., 0] = -10000.0  # below the official code's floor: zeroed under padding=tinybert
+
+    class Scored(Features):
+        def __init__(self, scores):
+            super().__init__(logits=torch.zeros(B, 2), attention_mask=mask)
+            object.__setattr__(self, "_scores", scores)
+
+        def attention_scores(self, layer):
+            return self._scores[layer]
+
+    return Scored(scores_s), Scored(scores_t), scores_s
+
+
+@pytest.mark.parametrize("padded", [True, False])
+@pytest.mark.parametrize("loss,padding", [("mse", "exclude"), ("mse", "tinybert"), ("kl", "exclude")])
+def test_tinybert_attention_stacked_equals_per_layer(loss: str, padding: str, padded: bool) -> None:
+    from kdrun.losses.layerwise import attention_kl, masked_log_softmax
+    from kdrun.losses.tinybert import attention_mse
+
+    s, t, leaves = attention_features(padded)
+    pairs = [(0, 0), (1, 2), (2, 3), (3, 5), (4, 6)]
+    got = get_loss("tinybert_attention").fn(s, t, None, LossContext(num_labels=2, layer_pairs=pairs),
+                                            loss=loss, padding=padding)
+    mask = s.attention_mask
+    want = 0.0
+    for si, ti in pairs[1:]:
+        ss, st = s.attention_scores(si), t.attention_scores(ti)
+        want = want + (attention_mse(ss, st, mask, padding) if loss == "mse" else
+                       attention_kl(masked_log_softmax(ss, mask), masked_log_softmax(st, mask).exp(), mask))
+    assert_equal_with_grads(got, want, list(leaves.values()))

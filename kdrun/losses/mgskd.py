@@ -83,10 +83,10 @@ def pair_mse(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, m: int) -> 
     products of (a × a), (a × b), (b × b) matrices: O(n d²/m) instead of O(n² d). The reductions
     run in fp64 so the cancellation between the three terms stays far below the loss itself.
     """
-    keep = mask[..., None]
+    pad = ~mask[..., None]
 
     def cols(x: torch.Tensor) -> torch.Tensor:  # (B, n, d) -> (B, m, d/m, n), contiguous, fp64
-        x = torch.where(keep, x, torch.zeros_like(x)).double()
+        x = x.masked_fill(pad, 0.0).double()
         return split_heads(x, m).transpose(-1, -2).contiguous()
 
     def norm2(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # ||U V^T||^2 per stacked layer
@@ -122,7 +122,7 @@ def salient_selection(pt: torch.Tensor, mask: torch.Tensor, k1: int, k2: int
     ar = torch.arange(n, device=pt.device)
     local = local.masked_fill(~mask[:, None, :] | (ar[None, None, :] == vert[..., None]), -math.inf)
     nscore, nb = local.topk(K2, dim=-1)
-    valid = torch.isfinite(nscore) & torch.isfinite(vscore)[..., None]
+    valid = (nscore > -math.inf) & (vscore > -math.inf)[..., None]  # scores are finite or -inf
     return vert, nb, valid
 
 
@@ -134,17 +134,24 @@ def vertex_angles(x: torch.Tensor, mask: torch.Tensor, vert: torch.Tensor, nb: t
     (cos (B, K1, K2, K2), triple validity (B, K1, K2, K2)); a neighbour that coincides with its
     vertex gives cos 0 (as in :mod:`kdrun.losses.relations`).
     """
+    return gram_angles(gram(center(x, mask)), vert, nb, valid)
+
+
+def gram_angles(g: torch.Tensor, vert: torch.Tensor, nb: torch.Tensor, valid: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`vertex_angles` from the Gram matrix ``g`` (..., B, n, n) of the centred points; leading
+    dims (the student's and the teacher's side) share the selection."""
     B, K1, K2 = nb.shape
-    dt = x.dtype
-    g = gram(center(x, mask))  # (B, n, n)
-    n = g.shape[-1]
-    diag = g.diagonal(dim1=-2, dim2=-1)
-    g_vv = diag.gather(1, vert)  # (B, K1)
-    rows_v = g.gather(1, vert[..., None].expand(B, K1, n))  # (B, K1, n)
-    g_va = rows_v.gather(2, nb)  # (B, K1, K2)
-    g_aa = diag.gather(1, nb.reshape(B, -1)).view(B, K1, K2)
-    rows_a = g.gather(1, nb.reshape(B, K1 * K2, 1).expand(B, K1 * K2, n)).view(B, K1, K2, n)
-    g_ab = rows_a.gather(3, nb[:, :, None, :].expand(B, K1, K2, K2))  # (B, K1, K2, K2)
+    *lead, _, n, _ = g.shape
+    dt = g.dtype
+    # every Gram entry the angles read, in one gather: per vertex v its (v, v), (v, a), (a, a), (a, b)
+    v, sq_shape = vert[..., None], (B, K1, K2 * K2)
+    rows = torch.cat([v, v.expand(B, K1, K2), nb, nb[..., :, None].expand(B, K1, K2, K2).reshape(sq_shape)], -1)
+    cols = torch.cat([v, nb, nb, nb[..., None, :].expand(B, K1, K2, K2).reshape(sq_shape)], -1)
+    index = (rows * n + cols).flatten(-2)
+    e = g.flatten(-2).gather(-1, index.expand(*lead, *index.shape)).view(*lead, B, K1, -1)
+    g_vv, g_va, g_aa = e[..., 0], e[..., 1:1 + K2], e[..., 1 + K2:1 + 2 * K2]
+    g_ab = e[..., 1 + 2 * K2:].unflatten(-1, (K2, K2))  # (..., B, K1, K2, K2)
     s = g_aa + g_vv[..., None]
     sq = s - 2.0 * g_va  # squared distance neighbour - vertex
     ok = valid & (sq > _tol(dt) * s + _tiny(dt))
@@ -157,8 +164,7 @@ def vertex_angles(x: torch.Tensor, mask: torch.Tensor, vert: torch.Tensor, nb: t
 def huber_mean(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor, beta: float, layers: int = 1) -> torch.Tensor:
     """Smooth-L1 of a - b averaged over ``valid``; with ``layers`` stacked along the first dim, the
     sum of the layers' averages."""
-    diff = torch.where(valid, a - b, torch.zeros_like(a))
-    err = F.smooth_l1_loss(diff, torch.zeros_like(diff), reduction="none", beta=beta)
+    err = F.smooth_l1_loss(a, b, reduction="none", beta=beta).masked_fill(~valid, 0.0)  # a, b finite
     return (err.reshape(layers, -1).sum(-1) / valid.reshape(layers, -1).sum(-1).clamp_min(1)).sum()
 
 
@@ -180,11 +186,11 @@ def structure_losses(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, *, 
         fmask = mask.expand(*xs.shape[:-3], *mask.shape).reshape(-1, mask.shape[-1])
         with torch.no_grad():
             pt = pair_interactions(ft, heads)
+            gt = gram(center(ft, fmask))
         vert, nb, valid = salient_selection(pt, fmask, k1, k2)
-        cs, tri = vertex_angles(fs, fmask, vert, nb, valid)
-        with torch.no_grad():
-            ct, _ = vertex_angles(ft, fmask, vert, nb, valid)
-        la = huber_mean(cs, ct, tri, huber_beta, layers)
+        # both sides' angles in one set of ops (none flows to the teacher)
+        cos, tri = gram_angles(torch.stack([gram(center(fs, fmask)), gt]), vert, nb, valid)
+        la = huber_mean(cos[0], cos[1], tri, huber_beta, layers)
     elif angle:
         la = xs.sum() * 0.0
     return lp, la
@@ -192,12 +198,15 @@ def structure_losses(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, *, 
 
 def span_points(h: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
     """Mean of each span's token vectors: h (..., B, n, d), spans (B, S, 2) [start, end) -> (..., B, S, d)."""
-    n = h.shape[-2]
-    ar = torch.arange(n, device=h.device)
+    return span_weights(spans, h.shape[-2], h.dtype) @ h
+
+
+def span_weights(spans: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, S, n): row s averages the tokens of span s (``w @ h`` are the span means)."""
+    ar = torch.arange(n, device=spans.device)
     start, end = spans[..., :1], spans[..., 1:]
-    w = ((ar >= start) & (ar < end)).to(h.dtype)  # (B, S, n)
-    w = w / w.sum(-1, keepdim=True).clamp_min(1)
-    return w @ h
+    w = ((ar >= start) & (ar < end)).to(dtype)
+    return w / w.sum(-1, keepdim=True).clamp_min(1)
 
 
 def span_mask(spans: torch.Tensor, min_spans: int) -> torch.Tensor:
@@ -334,15 +343,11 @@ def _hidden(s: Features, t: Features, term: str):
     return hs, ht, s.attention_mask.bool()
 
 
-def _prep(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
-    return x.to(dt)
-
-
 def _stacked(hs, ht, pairs, dt: torch.dtype, module) -> tuple[torch.Tensor, torch.Tensor]:
     """The paired layers stacked: student (L, B, n, d) through the term's projection, teacher (L, B, n, dt)."""
-    xs = torch.stack([_prep(hs[si], dt) for si, _ in pairs])
+    xs = torch.stack([hs[si].to(dt) for si, _ in pairs])
     with torch.no_grad():
-        xt = torch.stack([_prep(ht[ti], dt) for _, ti in pairs])
+        xt = torch.stack([ht[ti].to(dt) for _, ti in pairs])
     return (module(xs) if module is not None else xs), xt
 
 
@@ -358,7 +363,7 @@ def _within_examples(hs, ht, pairs, module, points, mask, parts: dict, **kw) -> 
             pt = points(xt)
         lp, la = structure_losses(points(xs), pt, mask, **kw)
     else:
-        lp = la = _prep(hs[0], dt).sum() * 0.0  # (no layer pair: 0, still on the graph)
+        lp = la = hs[0].to(dt).sum() * 0.0  # (no layer pair: 0, still on the graph)
     if kw["pair"]:
         parts["pair"] = lp
     if kw["angle"]:
@@ -392,8 +397,9 @@ def mgskd_span(s: Features, t: Features, batch, ctx: LossContext, p: SpanParams)
     smask = span_mask(spans, p.min_spans)
     parts: dict[str, torch.Tensor] = {}
     with full_precision(hs[0].device):
+        w = span_weights(spans, hs[0].shape[-2], relation_dtype(hs[0]))  # shared by both sides
         total = _within_examples(hs, ht, _layers(ctx.layer_pairs, p.boundary, p.hierarchical, top=False),
-                                 ctx.module, lambda x: span_points(x, spans), smask, parts, **_structure_kw(p))
+                                 ctx.module, lambda x: w @ x, smask, parts, **_structure_kw(p))
     if ctx.module is not None:
         ctx.module.record(**parts, examples=smask.any(-1).float().sum())
     return total
@@ -408,7 +414,7 @@ def mgskd_sample(s: Features, t: Features, batch, ctx: LossContext, p: SamplePar
     dt = relation_dtype(hs[0])
     pairs = _layers(ctx.layer_pairs, p.boundary, p.hierarchical, top=True)
     with full_precision(hs[0].device):
-        lp = la = _prep(hs[0], dt).sum() * 0.0 if not (pairs and p.pair and p.angle) else None
+        lp = la = hs[0].to(dt).sum() * 0.0 if not (pairs and p.pair and p.angle) else None
         if pairs:  # every pair at once: the paired layers stacked, (L, B, d) samples
             xs, xt = _stacked(hs, ht, pairs, dt, module)
             vs = sample_points(xs, mask)

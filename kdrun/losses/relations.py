@@ -37,9 +37,13 @@ Conventions (documented once, used by every loss here):
   ``reduction="official"`` divides the same sums by the official CKD code's count instead: every
   mask entry of a valid point set, diagonal / degenerate entries and window slots included
   (:func:`official_count`), the scale its per-task loss weights were tuned on.
-- The teacher side is computed under ``torch.no_grad()``; everything runs with autocast disabled
-  and, on CUDA, with TF32 off (``train.tf32`` speeds up the models' matmuls, not these: the Gram
-  identities above cancel, kdrun.runtime.precision).
+- The teacher's Gram matrices are computed under ``torch.no_grad()``; what follows from them
+  (distances, cosines, angle pieces, the KL's log-softmax) is computed for both sides at once on
+  the stacked (2, ...) Gram matrices, and no gradient reaches the teacher. Everything runs with
+  autocast disabled and, on CUDA, with TF32 off (``train.tf32`` speeds up the models' matmuls, not
+  these: the Gram identities above cancel, kdrun.runtime.precision).
+- Layers stacked: the losses take x (L, P, n, d) with a mask (P, n) shared by the L layers and
+  return the sum of the layers' values, in one call (few kernel launches; kdrun.runtime.ops).
 """
 
 from __future__ import annotations

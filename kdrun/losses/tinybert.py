@@ -151,6 +151,8 @@ def attention_mse(ss: torch.Tensor, st: torch.Tensor, mask: torch.Tensor, paddin
 def tinybert_attention(s: Features, t: Features, batch, ctx: LossContext, p: AttentionParams) -> torch.Tensor:
     """TinyBERT attention loss per head: MSE of pre-softmax scores, or KL of distributions (Jassani et al.)."""
     lmap = layer_map_of(ctx)
+    if lmap.kind == "pairs":  # one teacher layer per row: every row in one stacked call
+        return _stacked_attention(s, t, lmap.pairs_at(ctx.step), p)
     weights = lmap.row_weights(ctx.step)
     mask = s.attention_mask
     total = s.attention_mask.new_zeros((), dtype=torch.float32)
@@ -166,6 +168,20 @@ def tinybert_attention(s: Features, t: Features, batch, ctx: LossContext, p: Att
                                  step=ctx.step, weights=weights)  # a mixture of distributions
             total = total + attention_kl(masked_log_softmax(scores_s, mask), target, mask)
     return total
+
+
+def _stacked_attention(s: Features, t: Features, pairs: list[tuple[int, int]], p: AttentionParams) -> torch.Tensor:
+    """The attention loss summed over one-to-one ``pairs``, their scores stacked (L, B, h, n, n): the
+    per-layer means share one count, so their sum is L times the stacked mean."""
+    pairs = [(si, ti) for si, ti in pairs if si != 0]
+    if not pairs:
+        return s.attention_mask.new_zeros((), dtype=torch.float32)
+    mask = s.attention_mask
+    ss = torch.stack([fp32(s.attention_scores(si)) for si, _ in pairs])
+    st = torch.stack([fp32(t.attention_scores(ti)) for _, ti in pairs])
+    if p.loss == "mse":
+        return attention_mse(ss, st, mask, p.padding) * len(pairs)
+    return attention_kl(masked_log_softmax(ss, mask), masked_log_softmax(st, mask).exp(), mask) * len(pairs)
 
 
 @dataclass(frozen=True)
