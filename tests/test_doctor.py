@@ -84,6 +84,7 @@ def test_json_matches_the_printed_report(quick_run) -> None:
     for c in bench:
         assert c["data"]["tokens_per_s"] > 0 and c["data"]["peak_bytes"] > 0
         assert f"{c['data']['tokens_per_s']:.0f} tokens/s" in c["line"]
+        assert c["data"]["ops_per_step"] > 100 and f", {c['data']['ops_per_step']} ATen ops, " in c["line"]
 
 
 def test_exit_status_is_one_when_a_check_fails(tmp_path: Path, monkeypatch) -> None:

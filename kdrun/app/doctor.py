@@ -8,9 +8,10 @@ processes (gloo); one training step of each student kind (truncated first) built
 in every precision, asserting fp32 master weights and no update lost to rounding
 (kdrun.app.doctor_students); one training step of every objective that runs on a labelled task, through kdrun's
 own engine (kdrun.engine.trainer.train_step), in every precision that applies, each loss compared with the
-fp32 one; and throughput and peak memory of a bert_base-shaped teacher distilled into a 4-layer,
-312-wide student (random weights, no download) with logit KD and with CKD. Everything is also
-written to a JSON file. Exit status 0 when every check that applies passed, 1 otherwise.
+fp32 one; and throughput and peak memory of a bert_base-shaped teacher distilled into a 4-layer, 312-wide
+student (random weights, no download) with logit KD and with CKD, with the ATen ops one step dispatches
+(kdrun.runtime.ops). Everything is also written to a JSON file. Exit status 0 when every check that applies
+passed, 1 otherwise.
 ``--quick`` shrinks the throughput models to a tiny shape (CPU, tests).
 """
 
@@ -48,6 +49,7 @@ from kdrun.app.doctor_steps import (
     set_attention,
 )
 from kdrun.runtime.cache import write_json_atomic
+from kdrun.runtime.ops import OpCounter
 
 # ------------------------------------------------------------------------------------- the report
 
@@ -245,9 +247,13 @@ def _time_steps(step: EngineStep, batch: dict[str, torch.Tensor], steps: int, wa
     losses = [step(batch) for _ in range(steps)]
     sync()
     secs = (time.perf_counter() - t0) / steps
+    with OpCounter() as ops:  # one more step, untimed: the ATen ops (kernels) a step dispatches
+        step(batch)
+    sync()
     tokens = int(batch["attention_mask"].sum())
     return {"step_ms": secs * 1e3, "tokens_per_s": tokens / secs, "peak_bytes": peak_memory(dev),
-            "peak_bytes_before_steps": before, "loss_finite": all(math.isfinite(float(x)) for x in losses)}
+            "peak_bytes_before_steps": before, "loss_finite": all(math.isfinite(float(x)) for x in losses),
+            "ops_per_step": ops.count}
 
 
 def run_in_fresh_process(fn: Callable[..., Any], *args: Any) -> Any:
@@ -270,7 +276,8 @@ def bench_setup(quick: bool, device: str) -> dict[str, Any]:
 def bench_detail(r: dict[str, Any], setup: dict[str, Any]) -> str:
     t, s = setup["teacher"], setup["student"]
     mem = "peak GPU memory" if r["device"] == "cuda" else "peak RSS"
-    return (f"{r['tokens_per_s']:.0f} tokens/s, step {r['step_ms']:.1f} ms, {mem} {r['peak_bytes'] / 2**20:.0f} MiB "
+    return (f"{r['tokens_per_s']:.0f} tokens/s, step {r['step_ms']:.1f} ms, {r['ops_per_step']} ATen ops, "
+            f"{mem} {r['peak_bytes'] / 2**20:.0f} MiB "
             f"(teacher {t.layers}x{t.hidden} -> student {s.layers}x{s.hidden}, batch {setup['batch']}x"
             f"{setup['tokens']}, {r['precision']}, teacher forward included)"
             + ("" if r["loss_finite"] else ": loss NaN/inf"))
