@@ -87,6 +87,26 @@ def test_bench_optimizer_prints_both_rows_and_the_ratio(tmp_path: Path) -> None:
     assert float(ratio.group(2)) < 1e-5
 
 
+# ----------------------------------------------------------------------------------------- count_ops
+
+def test_count_ops_fast_prints_every_objective_with_its_ratio_to_logit(tmp_path: Path) -> None:
+    """Tiny models: the table has a row per objective, logit's ratio is 1, each ratio is its count over
+    logit's, and the JSON holds the same counts."""
+    out = tmp_path / "ops.json"
+    stdout = run_script("count_ops", "--fast", "--objectives", "finetune,ckd,mgskd", "--json", str(out),
+                        tmp_path=tmp_path)
+    rows = {m[1]: (number(m[2]), float(m[3]))
+            for m in re.finditer(r"^\| (\w+) \| ([\d,]+) \| (\d+\.\d\d) \|$", stdout, re.M)}
+    assert list(rows) == ["logit", "finetune", "ckd", "mgskd"]
+    logit = rows["logit"][0]
+    assert rows["logit"][1] == 1.0 and rows["finetune"][0] < logit < rows["ckd"][0]
+    for ops, ratio in rows.values():
+        assert ratio == pytest.approx(ops / logit, abs=0.006)
+    data = json.loads(out.read_text())
+    assert data["fast"] is True and data["chunks"] == "cuda"
+    assert {n: r["ops"] for n, r in data["rows"].items()} == {n: ops for n, (ops, _) in rows.items()}
+
+
 # ----------------------------------------------------------------------------------- bench_relations
 
 def test_bench_relations_kdrun_and_naive_losses_agree(tmp_path: Path) -> None:
