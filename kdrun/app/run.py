@@ -132,12 +132,27 @@ def _checked_run(cfg: DictConfig, run_dir: Path, hydra_files: dict[str, str] | N
     if identity is not None and cfg.resume:
         recorded = check_identity(run_dir, identity.config_hash, identity.resolved)  # raises: another config's run
         if recorded is not None and recorded.state == "complete":
-            return _report_complete(run_dir, _is_main_rank())
+            return _report_complete(cfg, run_dir, identity, hydra_files)
     return _locked_run(cfg, run_dir, identity, hydra_files)
 
 
-def _report_complete(run_dir: Path, main: bool = True) -> dict[str, Any]:
-    """A rerun of a complete run: its table again; the one change is the section appended to cli.log."""
+def _report_complete(cfg: DictConfig, run_dir: Path, identity: _Identity,
+                     hydra_files: dict[str, str] | None) -> dict[str, Any]:
+    """A rerun of a complete run: its table again; the one change is the section appended to cli.log.
+    Waits (resume=wait) or fails while another process holds the directory, as a training run would."""
+    from contextlib import nullcontext
+
+    from kdrun.runtime.locks import run_dir_lock
+
+    main = _is_main_rank()
+    with run_dir_lock(run_dir, wait=cfg.resume == "wait", claim=False) if main else nullcontext():
+        recorded = check_identity(run_dir, identity.config_hash, identity.resolved)  # the holder may have changed it
+        if recorded is not None and recorded.state == "complete":
+            return _print_complete(run_dir, main)
+    return _locked_run(cfg, run_dir, identity, hydra_files)
+
+
+def _print_complete(run_dir: Path, main: bool) -> dict[str, Any]:
     from kdrun.runtime.logs import tee_output
 
     with tee_output(run_dir / "cli.log", enabled=main):
@@ -162,7 +177,7 @@ def _locked_run(cfg: DictConfig, run_dir: Path, identity: _Identity | None,
             if cfg.resume:  # again under the lock: a run that held it may have finished meanwhile
                 recorded = check_identity(run_dir, identity.config_hash, identity.resolved)
                 if recorded is not None and recorded.state == "complete":
-                    return _report_complete(run_dir)
+                    return _print_complete(run_dir, main)
             else:
                 moved = move_aside(run_dir)
         with tee_output(run_dir / "cli.log", enabled=main):

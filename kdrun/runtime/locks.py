@@ -46,10 +46,15 @@ def _write_holder(fd: int) -> None:
 
 
 @contextmanager
-def run_dir_lock(run_dir: Path, wait: bool = False) -> Iterator[None]:
-    """Hold ``run_dir``'s exclusive lock for the block; raise :class:`RunDirBusy` (or wait) if taken."""
+def run_dir_lock(run_dir: Path, wait: bool = False, claim: bool = True) -> Iterator[None]:
+    """Hold ``run_dir``'s exclusive lock for the block; raise :class:`RunDirBusy` (or wait) if taken.
+    ``claim=False`` (reporting a finished run) writes nothing: no lock file is created, no holder
+    recorded."""
+    if not claim and not (run_dir / LOCK_NAME).exists():
+        yield
+        return
     run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | (os.O_CREAT if claim else 0), 0o666)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -61,7 +66,8 @@ def run_dir_lock(run_dir: Path, wait: bool = False) -> Iterator[None]:
                     "rerun with resume=wait to wait for it, or choose another output_dir") from None
             print(f"[kdrun] run directory {run_dir} is in use by {holder}; waiting (resume=wait)", flush=True)
             fcntl.flock(fd, fcntl.LOCK_EX)
-        _write_holder(fd)
+        if claim:
+            _write_holder(fd)
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
