@@ -50,6 +50,28 @@ def test_list_shows_every_item_and_its_state(cache: Path, capsys) -> None:
     assert "set aside" in lines["old-20260101"] and "4.9 KiB" in lines["old-20260101"]
     assert "unfinished" in lines["k1"] and "(not checked)" in lines["bad"]
     assert "6 item(s)" in out
+    head = out.splitlines()[0]
+    assert head.split() == ["kind", "key", "size", "last", "use", "made", "by", "run", "state"]
+    # the columns line up under the header: the run that made the entry is not recorded (—)
+    assert lines["old-20260101"][head.index("made by run"):].startswith("—  ")
+    assert lines["old-20260101"][head.index("last use"):].startswith("30.0d ago")
+    assert lines["k1"][head.index("state"):] == "unfinished"
+
+
+def test_cache_cli_takes_cache_dir_after_the_command_and_ls_is_list(cache: Path, tmp_path: Path, capsys) -> None:
+    assert main(["--cache-dir", str(cache), "list"]) == 0
+    before = capsys.readouterr().out
+    assert main(["list", "--cache-dir", str(cache)]) == 0
+    assert capsys.readouterr().out == before
+    assert main(["ls", "--cache-dir", str(cache)]) == 0
+    assert capsys.readouterr().out == before
+    # after the command wins over before it; given only before, it stays
+    assert main(["--cache-dir", str(tmp_path / "nope"), "ls", "--cache-dir", str(cache)]) == 0
+    assert capsys.readouterr().out == before
+    assert main(["verify", "--cache-dir", str(cache)]) == 1 and "1/2 entries verify" in capsys.readouterr().out
+    assert main(["gc", "--cache-dir", str(cache), "--dry-run"]) == 0
+    assert "would remove" in capsys.readouterr().out and (cache / "tokenized" / ".k1.partial").exists()
+    assert main(["--cache-dir", str(tmp_path / "nope"), "ls"]) == 2
 
 
 def test_verify_finds_the_changed_byte_and_fix_moves_it_aside(cache: Path, capsys) -> None:

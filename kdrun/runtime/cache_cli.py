@@ -1,6 +1,7 @@
 """``kdrun-cache``: look after a cache directory shared by many runs.
 
-    kdrun-cache list                       # every entry: kind, key, size, age, state
+    kdrun-cache list                       # every entry: kind, key, size, last use, making run, state
+    kdrun-cache ls --cache-dir DIR         # ls is list; --cache-dir goes before or after the command
     kdrun-cache verify [--fix]             # check every entry against its manifest
     kdrun-cache gc --older-than 7d [--dry-run]
     kdrun-cache gc --max-size 50G          # also evict least recently used entries down to 50 GiB
@@ -121,10 +122,23 @@ def age(s: float) -> str:
     return f"{s / 86400:.1f}d" if s >= 86400 else f"{s / 3600:.1f}h" if s >= 3600 else f"{s / 60:.0f}m"
 
 
+LIST_HEAD = ("kind", "key", "size", "last use", "made by run", "state")
+UNKNOWN = "—"  # what an entry does not record: the run that made it
+
+
+def list_row(it: Item) -> tuple[str, ...]:
+    """One entry's cells under :data:`LIST_HEAD` (entries do not record the run that made them)."""
+    state = f"{it.state} ({it.problem})" if it.problem else it.state
+    return (it.kind, it.key, human(it.bytes), f"{age(it.age_s)} ago", UNKNOWN, state)
+
+
 def print_items(items: list[Item]) -> None:
-    for it in items:
-        extra = f"  ({it.problem})" if it.problem else ""
-        print(f"{it.kind:16} {it.key:28} {human(it.bytes):>10} {age(it.age_s):>7}  {it.state}{extra}")
+    """The ``list`` table: a header line, one row per entry (size right-aligned), then the total."""
+    rows = [LIST_HEAD, *(list_row(it) for it in items)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(LIST_HEAD))]
+    for r in rows:
+        cells = [c.rjust(w) if i == 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        print("  ".join(cells).rstrip())
     total = sum(it.bytes for it in items)
     print(f"{len(items)} item(s), {human(total)}")
 
@@ -246,26 +260,39 @@ def evict_to_size(root: str | os.PathLike, max_gb: float) -> list[Item]:
     return gc(scan(root, check=False), parse_age("7d"), False, int(max_gb * 2**30), root)
 
 
-def main(argv: list[str] | None = None) -> int:
+CACHE_DIR_HELP = "the cache (default: $KDRUN_CACHE_DIR, else ~/.cache/kdrun); before or after the command"
+
+
+def parser() -> argparse.ArgumentParser:
+    """``kdrun-cache``'s arguments; ``--cache-dir`` is taken before or after the command."""
     p = argparse.ArgumentParser(prog="kdrun-cache", description=__doc__.split("\n\n")[0])
-    p.add_argument("--cache-dir", type=Path, default=None, help="default: $KDRUN_CACHE_DIR or ~/.cache/kdrun")
+    p.add_argument("--cache-dir", type=Path, default=None, help=CACHE_DIR_HELP)
+    common = argparse.ArgumentParser(add_help=False)  # after the command; unset there, the value before stays
+    common.add_argument("--cache-dir", type=Path, default=argparse.SUPPRESS, help=CACHE_DIR_HELP)
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="every entry with its size, age and state (manifests not checked: see verify)")
-    v = sub.add_parser("verify", help="check every published entry against its manifest (exit 1 if one is damaged)")
+    sub.add_parser("list", aliases=["ls"], parents=[common],
+                   help="every entry: kind, key, size, last use, the run that made it, state (manifests not "
+                        "checked: see verify)")
+    v = sub.add_parser("verify", parents=[common],
+                       help="check every published entry against its manifest (exit 1 if one is damaged)")
     v.add_argument("--fix", action="store_true", help="move damaged entries aside, so the next run rebuilds them")
-    g = sub.add_parser("gc", help="remove set-aside entries and abandoned unfinished builds")
+    g = sub.add_parser("gc", parents=[common], help="remove set-aside entries and abandoned unfinished builds")
     g.add_argument("--older-than", type=parse_age, default=parse_age("7d"), help="e.g. 7d (default), 12h, 30m")
     g.add_argument("--max-size", type=parse_size, default=None,
                    help="evict least recently used entries until the cache holds at most this, e.g. 50G")
     g.add_argument("--dry-run", action="store_true", help="only say what would be removed")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     root = (args.cache_dir or default_cache_dir()).expanduser()
     if not root.is_dir():
         print(f"kdrun-cache: error: {root} is not a directory (give --cache-dir or set KDRUN_CACHE_DIR)",
               file=sys.stderr)
         return 2
     items = scan(root, check=args.command == "verify")
-    if args.command == "list":
+    if args.command in ("list", "ls"):
         print_items(items)
         return 0
     if args.command == "gc":
