@@ -128,6 +128,8 @@ def _exit_for(error: Exception, full_traceback: bool) -> None:
         print(f"kdrun: error: cannot write the run directory: {error.strerror}: {error.filename}; choose a "
               "writable place with hydra.run.dir=... (hydra.sweep.dir=... with -m) or KDRUN_OUTPUT_DIR=...",
               file=sys.stderr)
+    elif not _STATUS["user_error"] and _composition_line(error):
+        print(f"kdrun: error: {_composition_line(error)}", file=sys.stderr)
     elif not _STATUS["user_error"]:  # as Hydra prints them; a sweep job printed its own error already
         print(str(error), file=sys.stderr)
         if isinstance(error.__cause__, OmegaConfBaseException):
@@ -136,6 +138,19 @@ def _exit_for(error: Exception, full_traceback: bool) -> None:
         if hint:
             print(hint, file=sys.stderr)
     sys.exit(2 if user else 1)
+
+
+def _composition_line(error: Exception) -> str | None:
+    """Hydra's error for an unknown option, group or key, or a value of the wrong type, in one line
+    with the closest valid choices (kdrun.app.composition_errors); None for any other error."""
+    from functools import partial
+
+    from kdrun.app import composition_errors as ce
+
+    if stage_strategy_hint(f"{error} {error.__cause__}"):
+        return None
+    overrides = _command_overrides(sys.argv[1:])
+    return ce.one_line(error, ce.config_groups(), partial(ce.keys_at, overrides=overrides))
 
 
 def stage_strategy_hint(message: str) -> str | None:

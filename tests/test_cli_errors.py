@@ -1,0 +1,60 @@
+"""Hydra's composition errors reach the user as one line with the closest valid choices (each case
+in a fresh ``kdrun`` process, its whole output asserted short)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from test_sweeps import env_for
+
+from kdrun.app import composition_errors as ce
+
+CASES = [
+    (["objective=logits"], "objective=logits: no such option of objective; did you mean objective=logit? "
+                           "(kdrun --help lists the groups and their options)"),
+    (["task=sst3"], "task=sst3: no such option of task; did you mean task=sst2?"),
+    (["task.max_train_sample=64"], "task.max_train_sample: no such key in task; did you mean "
+                                   "task.max_train_samples or "),
+    (["objectiv=logit"], "objectiv: no such key in the config; did you mean objective=logit?"),
+    (["teacher.finetun.epochs=1"], "teacher.finetun.epochs: no such key in teacher; did you mean "
+                                   "teacher.finetune.epochs? (kdrun --cfg job shows every key)"),
+    (["objective=ckd", "objective.params.windw_pair=3"], "objective.params.windw_pair: no such key in "
+                                                         "objective.params; did you mean objective.params.window_pair"),
+    (["model=bert_base"], "model= is not chosen on its own: its options are chosen through teacher= and student="),
+    (["train.lr=abc"], "train.lr='abc': expected float"),
+    (["train.optimizer.kwargs.betas=[0.9,0.99]"], "train.optimizer.kwargs.betas: not set in train.optimizer.kwargs; "
+                                                  "add it with +train.optimizer.kwargs.betas=<value>"),
+]
+
+
+@pytest.mark.parametrize("args,expected", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_cli_errors_one_line_with_a_suggestion(tmp_path, args: list[str], expected: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "kdrun", *args], cwd=tmp_path, env=env_for(tmp_path),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"kdrun: error: {expected}"), r.stderr
+    assert "+" not in r.stderr or "kwargs" in expected  # '+key' only where the schema takes a new key
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_cli_errors_closest_choices_are_by_the_leaf_name() -> None:
+    keys = {"teacher": ["name", "kind", "finetune", "store"], "": ["task", "teacher", "objective"]}
+    message = ("Could not override 'teacher.finetun.epochs'.\nTo append to your config use "
+               "+teacher.finetun.epochs=1\nKey 'finetun' not in 'TeacherConfig'\n    full_key: teacher.finetun\n")
+    line = ce.unknown_key(message, keys.get)
+    assert line == ("teacher.finetun.epochs: no such key in teacher; did you mean teacher.finetune.epochs? "
+                    "(kdrun --cfg job shows every key)")
+    nothing_close = message.replace("finetun", "zzzzzz")
+    assert ce.unknown_key(nothing_close, keys.get).startswith("teacher.zzzzzz.epochs: no such key in teacher (")
+
+
+def test_cli_errors_an_unrecognised_error_is_left_to_hydra() -> None:
+    assert ce.one_line(RuntimeError("something else entirely")) is None
+
+
+def test_cli_errors_groups_listed_by_help_are_known() -> None:
+    groups = ce.config_groups()
+    assert {"objective", "task", "teacher", "student", "model", "experiment/base"} <= set(groups)
