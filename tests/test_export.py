@@ -5,6 +5,7 @@ timings are written, and what cannot be exported is refused in one line naming i
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -29,7 +30,7 @@ def finished_run(tmp_path_factory) -> Path:
 
     base = tmp_path_factory.mktemp("export")
     cfg = compose([*TINY, *TOY, f"cache_dir={base / 'cache'}", "objective=logit", "student=truncated",
-                   "student.num_layers=1", "report.cost=false"])
+                   "student.num_layers=1"])
     run(cfg, base / "run")
     return base / "run"
 
@@ -76,9 +77,10 @@ def random_batch(batch: int, length: int, seed: int = 1) -> tuple[torch.Tensor, 
 
 
 def test_both_formats_are_written_checked_and_timed(finished_run: Path, capsys) -> None:
-    assert E.main([str(finished_run), "--format", "both", "--threads", "1"]) == 0
+    assert E.main([str(finished_run), "--threads", "1"]) == 0  # --format both is the default
     out = finished_run / "export"
     res = json.loads((out / "export.json").read_text())
+    assert res["format"] == "both" and (out / "model.onnx").is_file() and (out / "model.int8.onnx").is_file()
     recorded = json.loads((finished_run / "results.json").read_text())["student"]["metrics"]["validation"]
     assert res["pytorch"]["metrics"] == pytest.approx(recorded)  # the saved student reproduces the run
     assert res["dev"]["rows"] == 64
@@ -94,6 +96,7 @@ def test_both_formats_are_written_checked_and_timed(finished_run: Path, capsys) 
     assert res["timing"]["threads"] == 1
     printed = capsys.readouterr().out
     assert "onnx     model.onnx" in printed and f"{100 * onnx['agreement']:.2f} %" in printed
+    assert f"{res['pytorch']['size_mb']:.1f} MB" in printed and f"{int8['size_mb']:.1f} MB" in printed
     # dynamic axes: a batch and a length the graph was not traced with, one row padded
     ids, mask = random_batch(3, 21)
     expected = torch_logits(finished_run / "student", ids, mask)
@@ -105,6 +108,37 @@ def test_int8_alone_leaves_no_fp32_file(finished_run: Path, tmp_path: Path) -> N
     res = E.export(finished_run, "int8", tmp_path / "q", max_rows=16)
     assert sorted(p.name for p in (tmp_path / "q").glob("*.onnx")) == ["model.int8.onnx"]
     assert "onnx" not in res and res["dev"]["rows"] == 16
+
+
+def test_export_json_records_the_batch_used_and_paths_relative_to_the_run(finished_run: Path, tmp_path: Path,
+                                                                            capsys) -> None:
+    """eval_batch_size is 64, but 16 dev rows make one batch of 16: export.json says 16, as the table."""
+    out = tmp_path / "elsewhere"
+    assert E.main([str(finished_run), "--format", "int8", "--out", str(out), "--max-rows", "16"]) == 0
+    res = json.loads((out / "export.json").read_text())
+    assert res["dev"]["batch_size"] == 16 and res["timing"]["throughput_batch"] == 16
+    assert "(16 rows, batch 16)" in capsys.readouterr().out
+    assert res["student"] == "student" and res["run_dir"] == os.path.relpath(finished_run, out)
+    assert (finished_run / res["int8"]["file"]).resolve() == (out / "model.int8.onnx").resolve()
+    assert not any(str(tmp_path) in v for v in (res["student"], res["run_dir"], res["int8"]["file"]))
+    shutil.rmtree(out)
+
+
+def test_export_and_cost_tables_print_one_size_for_the_student(finished_run: Path, tmp_path: Path) -> None:
+    """The export's PyTorch size is the run's cost size (the weights without the safetensors header),
+    printed by one function."""
+    from kdrun.report.cost import cost_lines, saved_weights_bytes, size_text, weights_bytes
+
+    results = json.loads((finished_run / "results.json").read_text())
+    res = E.export(finished_run, "onnx", tmp_path / "x", max_rows=8)
+    assert res["pytorch"]["size_mb"] == pytest.approx(results["cost"]["student"]["size_mb"], abs=1e-9)
+    weights = finished_run / "student" / "model.safetensors"
+    assert saved_weights_bytes(weights) < weights.stat().st_size  # the header is left out
+    assert saved_weights_bytes(weights) == weights_bytes(E.load_student(finished_run / "student"))
+    shown = size_text(res["pytorch"]["size_mb"])
+    assert any(shown in line for line in cost_lines(results["cost"]) if line.startswith("student"))
+    assert shown in E.report_lines(res, finished_run)[2]
+    assert size_text(4.049) == "4.0 MB" and size_text(None) == "—"
 
 
 @pytest.mark.parametrize("student", ["tiny_roberta", "tiny_electra", "tiny_distilbert", "tiny_deberta"])

@@ -1,12 +1,13 @@
 """``kdrun-export``: a finished run's student as ONNX and as int8, each checked against the PyTorch student.
 
-    kdrun-export RUN_DIR --format onnx|int8|both [--out DIR]
+    kdrun-export RUN_DIR [--format onnx|int8|both] [--out DIR]     (default: both)
     kdrun-export RUN_DIR <a stage strategy's own arguments>  (e.g. a sub-network: width=0.5 depth=0.75 OUT_DIR)
 
 ``--format onnx`` writes ``model.onnx``: the student's logits from ``input_ids``, ``attention_mask``
 (and ``token_type_ids`` for families that use them), with dynamic batch and sequence axes.
 ``--format int8`` writes ``model.int8.onnx``: the same graph with onnxruntime's dynamic quantisation
-(int8 weights of the MatMul/Gemm layers, activations quantised on the fly). ``both`` writes both.
+(int8 weights of the MatMul/Gemm layers, activations quantised on the fly). ``both``, the default,
+writes both.
 
 Each file is then run with onnxruntime on the run's dev set and compared with the PyTorch student
 on the same padded batches: prediction agreement (argmax; for regression, |Δ| <= ``REGRESSION_TOL``),
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -238,17 +240,16 @@ def timings(model, graphs: dict[str, Any], rows, batch_size: int, pad_token_id: 
 
 # ------------------------------------------------------------------------------------------- the run
 
-def export(run_dir: Path, fmt: str, out: Path | None = None, max_rows: int | None = None,
+def export(run_dir: Path, fmt: str = "both", out: Path | None = None, max_rows: int | None = None,
            batch_size: int | None = None) -> dict[str, Any]:
     """Export the student of the run in ``run_dir`` as ``fmt`` (onnx, int8, both) into ``out``
-    (default ``<run_dir>/export``), check it on the dev set and time it; returns export.json's content."""
+    (default ``<run_dir>/export``), check it on the dev set and time it; returns export.json's content
+    (paths relative to the run directory; ``run_dir`` relative to ``out``)."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from kdrun.config import task_config
     from kdrun.runtime.cache import write_json_atomic
-    from kdrun.tasks.kinds import kind_of
-    from kdrun.tasks.metrics import compute_task_metrics
 
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt}: one of {', '.join(FORMATS)}")
@@ -256,61 +257,88 @@ def export(run_dir: Path, fmt: str, out: Path | None = None, max_rows: int | Non
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
+    run_dir = Path(run_dir)
     summary, student_dir = load_run(run_dir)
     check_exportable(summary, student_dir)
-    out = Path(out) if out is not None else Path(run_dir) / "export"
+    out = Path(out) if out is not None else run_dir / "export"
     out.mkdir(parents=True, exist_ok=True)
-    model = load_student(student_dir)
-    tokenizer = AutoTokenizer.from_pretrained(student_dir)
+    model, tokenizer = load_student(student_dir), AutoTokenizer.from_pretrained(student_dir)
+    names, paths = write_graphs(model, tokenizer.pad_token_id, out, fmt)
+    copy_model_files(student_dir, out)
     task = task_config(summary["config"]["task"])
-    regression = task.num_labels == 1
-    batch_size = batch_size or int((summary["config"].get("train") or {}).get("eval_batch_size", 128))
-    wanted = ["onnx", "int8"] if fmt == "both" else [fmt]
-    paths: dict[str, Path] = {}
-    with tempfile.TemporaryDirectory(dir=out) as tmp:
-        fp32 = out / FILES["onnx"] if "onnx" in wanted else Path(tmp) / FILES["onnx"]
-        names = export_onnx(model, fp32, tokenizer.pad_token_id)
-        if "onnx" in wanted:
-            paths["onnx"] = fp32
-        if "int8" in wanted:
-            paths["int8"] = out / FILES["int8"]
-            quantize_int8(fp32, paths["int8"])
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json",
-                 "vocab.json", "merges.txt"):
-        if (student_dir / name).exists():
-            shutil.copy2(student_dir / name, out / name)
-    threads = torch.get_num_threads()
-    graphs = {k: ort_graph(p, threads) for k, p in paths.items()}
     split, rows = dev_rows(summary, tokenizer, max_rows)
-    collator = kind_of(task).collator(tokenizer, task, False)
-    logits, labels = predictions(model, graphs, rows, collator, batch_size)
-    metrics = {k: compute_task_metrics(list(task.metrics), v, labels, regression) for k, v in logits.items()}
+    asked = batch_size or int((summary["config"].get("train") or {}).get("eval_batch_size", 128))
     result: dict[str, Any] = {
-        "run_dir": str(Path(run_dir).resolve()), "student": str(student_dir.resolve()), "format": fmt,
+        "run_dir": os.path.relpath(run_dir, out), "student": os.path.relpath(student_dir, run_dir), "format": fmt,
         "inputs": names, "opset": OPSET, "exporter": "torch.onnx.export (TorchScript, dynamo=False)",
         "int8": "onnxruntime.quantization.quantize_dynamic (QInt8 weights)" if "int8" in paths else None,
-        "dev": {"split": split, "rows": len(rows), "batch_size": batch_size},
-        "pytorch": {"metrics": metrics["pytorch"], "size_mb": _size_mb(student_dir, "model.safetensors"),
-                    "recorded_metrics": ((summary.get("student") or {}).get("metrics") or {}).get(split)},
+        "dev": {"split": split, "rows": len(rows), "batch_size": min(asked, len(rows))},
     }
-    for k, p in paths.items():
-        result[k] = {"file": str(p), "size_mb": p.stat().st_size / 1e6, "metrics": metrics[k],
-                     "metric_delta": {m: metrics[k][m] - metrics["pytorch"][m] for m in metrics[k]},
-                     "agreement": agreement(logits["pytorch"], logits[k], regression),
-                     "max_abs_logit_diff": float(abs(logits[k] - logits["pytorch"]).max())}
-    result["timing"] = timings(model, graphs, rows, batch_size, tokenizer.pad_token_id)
+    result |= compare(model, tokenizer, task, paths, rows, result["dev"]["batch_size"], run_dir)
+    result["pytorch"] |= {"size_mb": _size_mb(student_dir / "model.safetensors"),
+                          "recorded_metrics": ((summary.get("student") or {}).get("metrics") or {}).get(split)}
     result["seconds"] = time.perf_counter() - t0
     write_json_atomic(out / "export.json", result)
     return result
 
 
-def _size_mb(directory: Path, name: str) -> float | None:
-    p = directory / name
-    return p.stat().st_size / 1e6 if p.exists() else None
+def write_graphs(model, pad_token_id: int, out: Path, fmt: str) -> tuple[list[str], dict[str, Path]]:
+    """Write the ONNX file(s) of ``fmt`` into ``out`` (int8 alone: the fp32 graph only in a temporary
+    directory); returns (the graph's input names, {format: file})."""
+    wanted = ["onnx", "int8"] if fmt == "both" else [fmt]
+    paths: dict[str, Path] = {}
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        fp32 = out / FILES["onnx"] if "onnx" in wanted else Path(tmp) / FILES["onnx"]
+        names = export_onnx(model, fp32, pad_token_id)
+        if "onnx" in wanted:
+            paths["onnx"] = fp32
+        if "int8" in wanted:
+            paths["int8"] = out / FILES["int8"]
+            quantize_int8(fp32, paths["int8"])
+    return names, paths
 
 
-def report_lines(result: dict[str, Any]) -> list[str]:
+def copy_model_files(student_dir: Path, out: Path) -> None:
+    """The tokenizer and ``config.json`` beside the graphs, so the directory is usable alone."""
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json",
+                 "vocab.json", "merges.txt"):
+        if (student_dir / name).exists():
+            shutil.copy2(student_dir / name, out / name)
+
+
+def compare(model, tokenizer, task, paths: dict[str, Path], rows, batch_size: int, run_dir: Path) -> dict[str, Any]:
+    """export.json's ``pytorch`` metrics, one entry per graph (file relative to ``run_dir``, size,
+    metrics, agreement) and ``timing``, on ``rows`` in batches of ``batch_size``."""
+    from kdrun.tasks.kinds import kind_of
+    from kdrun.tasks.metrics import compute_task_metrics
+
+    regression = task.num_labels == 1
+    graphs = {k: ort_graph(p, torch.get_num_threads()) for k, p in paths.items()}
+    collator = kind_of(task).collator(tokenizer, task, False)
+    logits, labels = predictions(model, graphs, rows, collator, batch_size)
+    metrics = {k: compute_task_metrics(list(task.metrics), v, labels, regression) for k, v in logits.items()}
+    result: dict[str, Any] = {"pytorch": {"metrics": metrics["pytorch"]}}
+    for k, p in paths.items():
+        result[k] = {"file": os.path.relpath(p, run_dir), "size_mb": p.stat().st_size / 1e6, "metrics": metrics[k],
+                     "metric_delta": {m: metrics[k][m] - metrics["pytorch"][m] for m in metrics[k]},
+                     "agreement": agreement(logits["pytorch"], logits[k], regression),
+                     "max_abs_logit_diff": float(abs(logits[k] - logits["pytorch"]).max())}
+    result["timing"] = timings(model, graphs, rows, batch_size, tokenizer.pad_token_id)
+    return result
+
+
+def _size_mb(weights: Path) -> float | None:
+    """The saved student's weights in MB as a run's cost counts them (kdrun.report.cost: the
+    ``model.safetensors`` payload, without its header)."""
+    from kdrun.report.cost import saved_weights_bytes
+
+    return saved_weights_bytes(weights) / 1e6 if weights.exists() else None
+
+
+def report_lines(result: dict[str, Any], run_dir: Path) -> list[str]:
     """The printed summary: one row per format (PyTorch first), then where everything is."""
+    from kdrun.report.cost import size_text
+
     t, dev = result["timing"], result["dev"]
     main = next(iter(result["pytorch"]["metrics"]))
     head = ("format", "file", "size", "agreement", "max |Δ logit|", f"{main} (Δ)", "latency", "throughput")
@@ -320,19 +348,20 @@ def report_lines(result: dict[str, Any]) -> list[str]:
             continue
         r, tk = result[k], t[k]
         value = r["metrics"][main]
-        size = f"{r['size_mb']:.1f} MB" if r.get("size_mb") is not None else "—"
         if k == "pytorch":
-            cells = ("student/", size, "—", "—", f"{value:.4f}")
+            cells = ("student/", size_text(r.get("size_mb")), "—", "—", f"{value:.4f}")
         else:
-            cells = (Path(r["file"]).name, size, f"{100 * r['agreement']:.2f} %", f"{r['max_abs_logit_diff']:.1e}",
-                     f"{value:.4f} ({r['metric_delta'][main]:+.4f})")
+            cells = (Path(r["file"]).name, size_text(r["size_mb"]), f"{100 * r['agreement']:.2f} %",
+                     f"{r['max_abs_logit_diff']:.1e}", f"{value:.4f} ({r['metric_delta'][main]:+.4f})")
         rows.append((k, *cells, f"{tk['latency_ms']:.2f} ms", f"{tk['throughput_rows_s']:,.0f} rows/s"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = [f"kdrun-export: {dev['split']} ({dev['rows']} rows), predictions compared with the PyTorch student; "
-             f"latency at batch 1 × {t['latency_length']} tokens, throughput at batch {t['throughput_batch']} × "
-             f"{t['throughput_length']} tokens (threads: {t['threads']}; medians, warm-up excluded)"]
+    lines = [f"kdrun-export: {dev['split']} ({dev['rows']} rows, batch {dev['batch_size']}), predictions compared "
+             f"with the PyTorch student; latency at batch 1 × {t['latency_length']} tokens, throughput at batch "
+             f"{t['throughput_batch']} × {t['throughput_length']} tokens (threads: {t['threads']}; medians, warm-up "
+             "excluded)"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    out = Path(next(result[k]["file"] for k in ("onnx", "int8") if isinstance(result.get(k), dict))).parent
+    first = next(result[k]["file"] for k in ("onnx", "int8") if isinstance(result.get(k), dict))
+    out = (Path(run_dir) / first).parent
     lines.append(f"written: {out} (export.json, the ONNX file(s), tokenizer and config) in {result['seconds']:.1f}s")
     return lines
 
@@ -352,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                     "dev set against the PyTorch student and timed. A stage strategy's own export (e.g. a "
                     "sub-network): kdrun-export RUN_DIR width=<m_w> depth=<m_d> OUT_DIR.")
     p.add_argument("run_dir", type=Path, help="a finished kdrun run directory (holds results.json and student/)")
-    p.add_argument("--format", required=True, choices=FORMATS, help="onnx, int8 or both")
+    p.add_argument("--format", default="both", choices=FORMATS, help="onnx, int8 or both (default: both)")
     p.add_argument("--out", type=Path, default=None, help="where the files go (default: <run_dir>/export)")
     p.add_argument("--max-rows", type=int, default=None, help="compare on the first N dev rows only (default: all)")
     p.add_argument("--batch-size", type=int, default=None,
@@ -373,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         torch.set_num_threads(before)
-    for line in report_lines(result):
+    for line in report_lines(result, args.run_dir):
         print(line)
     return 0
 

@@ -63,6 +63,21 @@ def weights_bytes(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     return total
 
 
+def saved_weights_bytes(path: Any) -> int:
+    """The weights' bytes of a ``model.safetensors`` file: its size less the 8-byte length and the
+    JSON header, i.e. what :func:`weights_bytes` counts for the model saved in it."""
+    import os
+
+    with open(path, "rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+    return os.path.getsize(path) - 8 - header
+
+
+def size_text(size_mb: float | None) -> str:
+    """A size in MB (1e6 bytes) as every table prints it: one decimal, or ``—`` when unknown."""
+    return "—" if size_mb is None else f"{size_mb:.1f} MB"
+
+
 # ---------------------------------------------------------------------------------------- timing
 
 def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = WARMUP, budget_s: float = BUDGET_S,
@@ -210,7 +225,7 @@ def cost_lines(cost: Mapping[str, Any] | None) -> list[str]:
         c = cost.get(who)
         if c:
             rows.append((who, _millions(c["total"]), _millions(c["without_embeddings"]),
-                         f"{c['size_mb']:.1f} MB ({c['dtype']})", f"{c['latency_ms']:.2f} ms",
+                         f"{size_text(c['size_mb'])} ({c['dtype']})", f"{c['latency_ms']:.2f} ms",
                          f"{c['throughput_rows_s']:,.0f} rows/s"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"\ncost on {cost['device']} (threads: {cost['threads']}): latency at batch 1 × {cost['latency_length']} "
