@@ -43,7 +43,10 @@ def write_outputs(session: Session, data: RunData, models: Models, parts, state,
         if session.cfg.report.cost:
             summary["cost"] = measure_cost(session, data, models)
         with staging_dir(session.run_dir / "student") as tmp:
-            saved_student(acc.unwrap_model(models.student), session.cfg.student.dtype).save_pretrained(tmp)
+            student = saved_student(acc.unwrap_model(models.student), session.cfg.student.dtype)
+            for key, value in session.pre.kind.model_config(session.cfg.task).items():  # e.g. the class names
+                setattr(student.config, key, value)
+            student.save_pretrained(tmp)
             data.tokenizer.save_pretrained(tmp)
             from kdrun.report.card import write_card
 

@@ -64,6 +64,41 @@ class LabelledKind(TaskKind):
                         pad_to=task.max_seq_length if pad_to_max_length else None)
 
 
+# The class names of the GLUE tasks as the hub's nyu-mll/glue dataset gives them (in label-id
+# order), for tasks read from TSV files or the hub whose config names none (task.label_names).
+GLUE_CLASS_NAMES = {
+    "cola": ["unacceptable", "acceptable"],
+    "sst2": ["negative", "positive"],
+    "mrpc": ["not_equivalent", "equivalent"],
+    "qqp": ["not_duplicate", "duplicate"],
+    "mnli": ["entailment", "neutral", "contradiction"],
+    "qnli": ["entailment", "not_entailment"],
+    "rte": ["entailment", "not_entailment"],
+    "wnli": ["not_entailment", "entailment"],
+}
+
+
+def class_names(task: Any) -> list[str] | None:
+    """The names of the classes, in label-id order: ``task.label_names``, else the GLUE task's own
+    (when the task is a GLUE task with its number of classes), else None."""
+    if int(task.num_labels) < 2:
+        return None
+    names = [str(n) for n in task.label_names] or GLUE_CLASS_NAMES.get(str(task.hub_config or task.name))
+    return names if names and len(names) == int(task.num_labels) else None
+
+
+def labelled_model_config(task: Any) -> dict[str, Any]:
+    """``id2label``/``label2id`` from the class names (regression: ``problem_type=regression``)."""
+    if int(task.num_labels) == 1:
+        return {"problem_type": "regression"}
+    names = class_names(task)
+    if names is None:
+        return {"problem_type": "single_label_classification"}
+    return {"problem_type": "single_label_classification", "id2label": dict(enumerate(names)),
+            "label2id": {n: i for i, n in enumerate(names)}}
+
+
+
 class ClassificationKind(LabelledKind):
     name = "classification"
 
@@ -96,6 +131,9 @@ class ClassificationKind(LabelledKind):
 
     def baseline(self, task: Any, train: Any, evals: dict[str, Any]) -> dict[str, Any] | None:
         return baselines.labelled_baseline(task, train, evals)
+
+    def model_config(self, task: Any) -> dict[str, Any]:
+        return labelled_model_config(task)
 
 
 register_task_kind(ClassificationKind())

@@ -113,6 +113,11 @@ class TaskKind:
         """The score of a constant prediction (kdrun.tasks.baselines), or None where it has no meaning."""
         return None
 
+    def model_config(self, task: Any) -> dict[str, Any]:
+        """Attributes of the saved student's ``config.json`` that describe its outputs (e.g. the class
+        names, so that ``pipeline()`` answers with them); none by default."""
+        return {}
+
     # ---- the shape of the kind's logits
     def join_logits(self, batches: list[Any]) -> Any:
         """A split's logits from its batches' logits, in order (one row per example)."""
