@@ -197,3 +197,49 @@ def test_student_kind_steps_move_each_batch_to_the_runs_device(monkeypatch, tmp_
     doctor_students.first_steps(parts, session.pre.plans[0], max_steps=2)
     assert seen and all(b.get("placed") for b in seen)
     assert moved == [str(parts.accelerator.device)] * len(seen)
+
+
+def _no_checks(monkeypatch) -> None:
+    from kdrun.app import doctor_students
+
+    monkeypatch.setattr(doctor, "check_collectives", lambda report, device: None)
+    monkeypatch.setattr(doctor_students, "check_student_kinds", lambda report, device, precisions: None)
+    monkeypatch.setattr(doctor, "check_precision_steps", lambda report, device: None)
+    monkeypatch.setattr(doctor, "check_throughput", lambda report, quick, device: None)
+
+
+def test_doctor_writes_its_report_in_the_cache_dir_as_the_docs_say(tmp_path: Path, monkeypatch, capsys) -> None:
+    _no_checks(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KDRUN_CACHE_DIR", str(tmp_path / "cache"))
+    assert doctor.main([]) == 0
+    out = tmp_path / "cache" / "kdrun-doctor.json"
+    assert json.loads(out.read_text())["ok"] is True
+    assert capsys.readouterr().out.splitlines()[-1].endswith(f"report: {out}")
+    assert not (tmp_path / "kdrun-doctor.json").exists()  # nothing in the working directory
+    assert doctor.main(["--out", "here.json"]) == 0 and (tmp_path / "here.json").is_file()
+
+
+def test_doctor_without_a_writable_cache_dir_uses_a_temporary_directory_as_the_docs_say(tmp_path: Path, monkeypatch,
+                                                                         capsys) -> None:
+    _no_checks(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("KDRUN_CACHE_DIR", str(tmp_path / "file" / "cache"))  # under a file: cannot exist
+    monkeypatch.setattr(doctor.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert doctor.main([]) == 0
+    written = list((tmp_path / "tmp").glob("kdrun-doctor-*/kdrun-doctor.json"))
+    assert len(written) == 1 and json.loads(written[0].read_text())["ok"] is True
+    assert capsys.readouterr().out.splitlines()[-1].endswith(f"report: {written[0]}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "tmp"]
+
+
+def test_doctor_help_speaks_of_checks_as_the_docs_do(capsys) -> None:
+    with pytest.raises(SystemExit):
+        doctor.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for check in ("environment", "all-reduce", "student kinds", "objectives", "throughput"):
+        assert re.search(rf"^  {check} ", text, re.M), check
+    assert not re.findall(r"kdrun\.\w+|doctor_\w+", text)  # no module names
+    assert "kdrun-doctor.json in the cache directory" in " ".join(text.split())
