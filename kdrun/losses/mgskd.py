@@ -413,8 +413,8 @@ def mgskd_sample(s: Features, t: Features, batch, ctx: LossContext, p: SamplePar
     module = ctx.module
     dt = relation_dtype(hs[0])
     pairs = _layers(ctx.layer_pairs, p.boundary, p.hierarchical, top=True)
+    parts: dict[str, torch.Tensor] = {}
     with full_precision(hs[0].device):
-        lp = la = hs[0].to(dt).sum() * 0.0 if not (pairs and p.pair and p.angle) else None
         if pairs:  # every pair at once: the paired layers stacked, (L, B, d) samples
             xs, xt = _stacked(hs, ht, pairs, dt, module)
             vs = sample_points(xs, mask)
@@ -422,14 +422,17 @@ def mgskd_sample(s: Features, t: Features, batch, ctx: LossContext, p: SamplePar
                 vt = sample_points(xt, mask)
             if p.angle:  # (L, m, B, d/m): one point set per layer and head
                 ones = torch.ones((p.heads, vs.shape[-2]), dtype=torch.bool, device=vs.device)
-                la = angle_loss(split_heads(vs, p.heads), split_heads(vt, p.heads), ones, loss="huber",
-                                window=None, huber_beta=p.huber_beta)
+                parts["angle"] = angle_loss(split_heads(vs, p.heads), split_heads(vt, p.heads), ones, loss="huber",
+                                            window=None, huber_beta=p.huber_beta)
             if p.pair:
                 ones = torch.ones((1, vs.shape[-2]), dtype=torch.bool, device=vs.device)
-                lp = pair_mse(vs[:, None], vt[:, None], ones, p.heads)
+                parts["pair"] = pair_mse(vs[:, None], vt[:, None], ones, p.heads)
+        else:  # no layer pair: 0, still on the graph
+            parts = dict.fromkeys([k for k in ("pair", "angle") if getattr(p, k)], hs[0].to(dt).sum() * 0.0)
         if module is not None:
-            module.record(**({"pair": lp} if p.pair else {}), **({"angle": la} if p.angle else {}))
-        return lp + la
+            module.record(**parts)
+        lp, la = parts.get("pair"), parts.get("angle")
+        return la if lp is None else lp if la is None else lp + la
 
 
 # ---------------------------------------------------------------------------------------- stage 2
