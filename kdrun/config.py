@@ -374,10 +374,19 @@ class LoggerConfig:
 
 
 @dataclass
+class CardConfig:
+    # The model card's ``license`` (a Hub license id such as apache-2.0, mit, other): null = the
+    # teacher's license when kdrun knows it (kdrun.report.card.KNOWN_LICENSES), else ``unknown``.
+    license: Optional[str] = None
+
+
+@dataclass
 class ReportConfig:
     # Measure the student's and the teacher's parameters, size, latency and throughput on the run's
     # device and dev rows (results.json ``cost``, the printed table, the model card; a few seconds).
     cost: bool = True
+    # The student's model card (student/README.md).
+    card: CardConfig = field(default_factory=CardConfig)
 
 
 @dataclass

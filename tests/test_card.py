@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from kdrun.report.card import hub_id, model_card, write_card
+from kdrun.report.card import hub_id, model_card, public_command, write_card
 
 SUMMARY = {
     "task": "sst2", "objective": "ckd",
@@ -132,6 +132,78 @@ def test_a_run_writes_the_card_into_its_student(run_cfg, tmp_path: Path) -> None
     card = ModelCard.load(tmp_path / "r" / "student" / "README.md")
     got = {(r.dataset_split, r.metric_type): r.metric_value for r in card.data.eval_results}
     assert got == {(s, k): v for s, m in res["student"]["metrics"].items() for k, v in m.items()}
-    assert res["command"] in card.text and "## Size and speed" in card.text
+    assert public_command(res["command"], res["run_dir"]) in card.text and "## Size and speed" in card.text
+    assert str(tmp_path) not in card.text  # no local path
     assert f"{res['cost']['student']['total']:,}" in card.text
     assert card.data.base_model is None  # a random teacher: no hub model behind the weights
+
+
+# ------------------------------------------------------------------------------- ready for the hub
+
+def _with(**config) -> dict:
+    summary = copy.deepcopy(SUMMARY)
+    for key, value in config.items():
+        node = summary["config"]
+        *parents, leaf = key.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return summary
+
+
+def test_card_license_is_the_teachers_or_the_setting_or_unknown() -> None:
+    from kdrun.report.card import card_license
+
+    assert card_license(SUMMARY) == "apache-2.0"  # bert-base-uncased
+    assert card_license(_with(teacher__name_or_path="google/bert_uncased_L-4_H-256_A-4")) == "apache-2.0"
+    assert card_license(_with(report__card__license="mit")) == "mit"
+    assert card_license(_with(teacher__name_or_path="/models/mine", teacher__kind="random")) == "unknown"
+
+
+def test_card_names_the_hub_dataset_for_glue_read_from_tsv_and_for_squad(tmp_path: Path) -> None:
+    tsv = _with(task__data_dir="/home/me/data/glue/SST-2")
+    card = ModelCard.load(write_card(tmp_path, tsv))
+    assert card.data.datasets == ["nyu-mll/glue"] and card.data.license == "apache-2.0"
+    (result,) = card.data.eval_results
+    assert (result.dataset_type, result.dataset_config, result.dataset_name) == ("nyu-mll/glue", "sst2", "GLUE SST2")
+    assert "/home/me" not in card.content and "read from its files (`task.data_dir`)" in card.text
+    squad = _with(task__name="squad", task__kind="qa", task__hub_config=None, task__hub_dataset="squad")
+    assert ModelCard(model_card(squad)).data.datasets == ["rajpurkar/squad"]
+
+
+def test_card_command_has_no_absolute_paths() -> None:
+    from kdrun.report.card import public_command
+
+    command = ("/opt/venv/bin/kdrun task=sst2 task.data_dir=/work/data/glue/SST-2 hydra.run.dir=/runs/a "
+               "teacher.checkpoint=/runs/a/teacher cache_dir=/scratch/me/cache seed=3")
+    assert public_command(command, "/runs/a") == ("kdrun task=sst2 task.data_dir=$GLUE_DIR/SST-2 hydra.run.dir=. "
+                                                  "teacher.checkpoint=teacher cache_dir=<path>/cache seed=3")
+    text = model_card(_with(task__data_dir="/work/data/glue/SST-2") | {"command": command, "run_dir": "/runs/a"})
+    assert not re.search(r"(?<![\w$>])/(work|runs|opt|scratch)\b", text), text
+
+
+def test_card_lists_the_training_hyperparameters() -> None:
+    summary = _with(train__batch_size=32, train__seed=3, train__gradient_accumulation_steps=2,
+                    train__max_grad_norm=1.0, train__warmup_ratio=0.1, train__scheduler="linear")
+    text = model_card(summary)
+    assert "**Batch size:** 32 × 2 accumulation steps" in text and "**seed:** 3" in text
+    assert "**precision:** `no`" in text and "0.1 of the steps of warm-up" in text
+
+
+def test_card_keeps_a_subsampled_dev_score_out_of_the_model_index(tmp_path: Path) -> None:
+    card = ModelCard.load(write_card(tmp_path, _with(task__max_eval_samples=32)))
+    assert card.data.eval_results is None and "model-index" not in card.content.split("\n---\n", 1)[0]
+    assert "subsample of the dev set (`task.max_eval_samples=32`)" in card.text
+    assert "| student | validation | accuracy | 0.8765 |" in card.text  # still given, marked
+
+
+def test_card_metadata_round_trips_through_huggingface_hub(tmp_path: Path) -> None:
+    from huggingface_hub import ModelCardData
+    from huggingface_hub.repocard_data import model_index_to_eval_results
+
+    card = ModelCard.load(write_card(tmp_path, SUMMARY))
+    meta = card.data.to_dict()
+    name, results = model_index_to_eval_results(meta["model-index"])
+    assert name == "sst2-ckd-truncated" and results[0].metric_value == 0.8765
+    assert ModelCardData(**meta).to_dict() == meta
+    assert meta["license"] == "apache-2.0" and "hf upload" in card.text

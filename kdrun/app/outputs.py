@@ -131,6 +131,7 @@ def _summary(session: Session, data: RunData, models: Models, state, final_metri
         "processes": session.accelerator.num_processes,
         "precision": session.accelerator.precision.name,
         "command": " ".join(sys.argv),
+        "run_dir": str(session.run_dir.resolve()),
     }
 
 
