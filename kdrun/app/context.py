@@ -113,6 +113,7 @@ def start_session(cfg: DictConfig, run_dir: Path, pre: RunPlan, t_start: float) 
     from kdrun.engine.trainer import seed_everything
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # transformers' per-load bars ("Loading weights"); kdrun's own stay
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     resolved = OmegaConf.to_container(cfg, resolve=True)
     config_hash = run_config_hash(resolved)

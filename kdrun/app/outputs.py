@@ -82,6 +82,8 @@ def measure_cost(session: Session, data: RunData, models: Models) -> dict[str, A
 
     acc, cfg = session.accelerator, session.cfg
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.student.dtype)
+    print(f"[kdrun] measuring the student's and the teacher's size, latency and throughput on {acc.device} "
+          "(report.cost=false skips it)", flush=True)
     try:
         return run_cost(acc.unwrap_model(models.student), models.teacher, next(iter(data.eval.values())),
                         cfg.train.eval_batch_size, data.tokenizer.pad_token_id, str(acc.device), dtype,

@@ -242,7 +242,7 @@ def fine_tune_teacher(out: Path, new_model: Callable[[], Any], cfg: Any, acceler
         collator=kind.collator(tokenizer, task, ttcfg.pad_to_max_length),
         metric_fn=kind.metric_fn(task, eval_data), main_metric=task.main_metric, train_cfg=ttcfg,
         tracker=Tracker(out, OmegaConf.create({"name": "none"}), {}, "teacher", enabled=False),
-        run_dir=out, config_hash="teacher", kind=kind,
+        run_dir=out, config_hash="teacher", kind=kind, role="teacher",
     )
     print(f"[kdrun] fine-tuning the teacher ({cfg.teacher.name}) on {task.name} ({len(train_data)} training rows)")
     with teacher_accelerator(accelerator, ttcfg.gradient_accumulation_steps):

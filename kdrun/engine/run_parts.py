@@ -51,4 +51,6 @@ class RunParts:
     # The task kind (kdrun.tasks.kinds.TaskKind): the shape of its logits (join_logits, batch_logits);
     # None: one row of logits per example.
     kind: Any = None
-
+    # What the progress bars name: the student's stages are "stage <i>:<name>"; the teacher's
+    # fine-tuning is "teacher: finetune".
+    role: str = "student"

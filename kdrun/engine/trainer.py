@@ -145,7 +145,8 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
             and cfg["data"] == "original" and not (strategy is not None and strategy.teacher_live)):
         table = _teacher_logit_table(parts, plan)
     measure = getattr(parts.tracker, "grad_shares", False)
-    pbar = tqdm(total=total_steps, initial=state.stage_step, desc=f"stage {plan.index}:{plan.name}",
+    label = f"stage {plan.index}:{plan.name}" if parts.role == "student" else f"{parts.role}: {plan.name}"
+    pbar = tqdm(total=total_steps, initial=state.stage_step, desc=label,
                 disable=not acc.is_main_process, dynamic_ncols=True, mininterval=2.0)
     return StageLoop(plan, loader, sampler, optimizer, scheduler, batches_per_epoch, total_steps,
                      num_epochs=math.ceil(total_steps / steps_per_epoch), pbar=pbar, log_every=max(1, parts.log_every),
