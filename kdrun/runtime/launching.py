@@ -27,11 +27,6 @@ from typing import Any, Sequence
 _INSTALLED: dict[str, bool] = {}
 
 
-def job_run_dir(launcher: Any, overrides: Sequence[str]) -> Path:
-    """The directory a sweep job with ``overrides`` runs in (as Hydra's run_job names it)."""
-    return job_identity(launcher, overrides)[0]
-
-
 def job_identity(launcher: Any, overrides: Sequence[str]) -> tuple[Path, str | None]:
     """A sweep job's directory and its config's identity (None if it does not resolve: the job
     itself reports why)."""
