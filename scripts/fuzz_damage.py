@@ -283,8 +283,13 @@ def prepare(name: str, out: Path) -> dict:
         for d in ("last", "best")[:2 if name == "task" else 1]:
             if not (base / "stopped" / "checkpoints" / d).exists():
                 raise SystemExit(f"the interrupted {name} run left no checkpoints/{d}: see {base / 'stopped.log'}")
-    if name == "partial":
-        interrupt_teacher(overrides, base / "killed cache é", base / "killed run é", base / "killed.log")
+    if name == "partial":  # killed where the trials resume it, as the task scenario's stopped run
+        work = out / name / TRIAL
+        shutil.rmtree(work, ignore_errors=True)
+        interrupt_teacher(overrides, work / "killed cache é", work / "killed run é", base / "killed.log")
+        for d in ("killed cache é", "killed run é"):
+            shutil.move(work / d, base / d)
+        shutil.rmtree(work)
     return sc
 
 
