@@ -288,7 +288,8 @@ def prepare(name: str, out: Path) -> dict:
         shutil.rmtree(work, ignore_errors=True)
         interrupt_teacher(overrides, work / "killed cache é", work / "killed run é", base / "killed.log")
         for d in ("killed cache é", "killed run é"):
-            shutil.move(work / d, base / d)
+            if (work / d).exists():
+                shutil.move(work / d, base / d)
         shutil.rmtree(work)
     return sc
 
