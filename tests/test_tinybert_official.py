@@ -3,6 +3,7 @@ against reductions computed by hand on a padded batch (and against kdrun's per-t
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -104,3 +105,41 @@ def test_store_keeps_tinybert_official_stages_live_and_tinybert_stored() -> None
     ours = plan_stages(compose(["objective=tinybert"]).objective)
     assert official[0].teacher_reads_padding and not ours[0].teacher_reads_padding
     assert not official[1].teacher_reads_padding  # the prediction stage reads logits only
+
+
+def test_regression_prediction_stage_takes_the_mse_to_the_gold_scores() -> None:
+    """As the authors' task distillation on STS-B: MSE(student output, gold score), the teacher unread."""
+    rs, rt = features(logits=((1.0,), (2.0,))), features(logits=((0.0,), (0.0,)))
+    gold = {"labels": torch.tensor([3.0, 2.0], dtype=torch.float64)}
+    ctx = LossContext(num_labels=1, layer_pairs=[], layer_map=pairs_map([]))
+    spec = get_loss("tinybert_soft_ce")
+    assert spec.fn(rs, rt, gold, ctx, temperature=1.0, regression_target="gold").item() == pytest.approx((4 + 0) / 2)
+    assert spec.fn(rs, rt, gold, ctx, temperature=1.0).item() == pytest.approx((1 + 4) / 2)  # the teacher's
+    cfg = compose(["task=stsb", "objective=tinybert_official"])
+    (term,) = cfg.objective.stages[1].losses
+    assert term.params.regression_target == "gold"  # the preset follows the authors
+
+
+def test_preset_prediction_stage_reads_labels_only_for_regression() -> None:
+    from kdrun.engine.objective import plan_stages
+
+    stsb = plan_stages(compose(["task=stsb", "objective=tinybert_official"]).objective)
+    assert stsb[1].label_terms(regression=True) == ["tinybert_soft_ce"]
+    assert stsb[1].label_terms(regression=False) == []  # classification reads the teacher alone
+    assert stsb[0].label_terms(regression=True) == []
+
+
+def test_intermediate_stage_runs_at_a_constant_learning_rate(tmp_path) -> None:
+    """The authors' intermediate stage: no warm-up, no decay (the prediction stage warms up and decays)."""
+    from kdrun.app.run import run
+
+    cfg = compose([*TINY, "task=toy", "task.toy.num_train=64", "task.toy.num_validation=32",
+                   "objective=tinybert_official", "objective.params.intermediate_epochs=2",
+                   "objective.params.prediction_epochs=2", f"cache_dir={tmp_path / 'cache'}",
+                   "logger.log_every_steps=1"])
+    run(cfg, tmp_path / "run")
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lrs = {stage: [r["train/lr"] for r in rows if r.get("stage") == stage and "train/lr" in r]
+           for stage in ("intermediate", "prediction")}
+    assert lrs["intermediate"] == [5e-5] * 4  # 2 epochs of 2 steps, every one at 5e-5
+    assert lrs["prediction"][0] < 3e-5 and lrs["prediction"][-1] < lrs["prediction"][1]  # warm-up, then decay

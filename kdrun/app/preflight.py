@@ -163,15 +163,16 @@ def _plan_augmentation(cfg: DictConfig, plans: list) -> None:
         if unknown:
             raise ConfigError(f"augmentation.apply_to: no stage named {unknown} in objective "
                               f"'{cfg.objective.name}' (stages: {names}); use auto or a list of stage names")
+    regression = int(cfg.task.num_labels) == 1
     for p in plans:
+        label_terms = p.label_terms(regression)
         if apply_to == "auto":
-            wanted = aug.copy_labels or not p.uses_labels
+            wanted = aug.copy_labels or not label_terms
         else:
             wanted = p.name in apply_to
         if wanted:
             p.cfg["data"] = "augmented"
-        if p.cfg["data"] == "augmented" and p.uses_labels and not aug.copy_labels:
-            label_terms = [t.key for t in p.terms if t.spec.uses_labels]
+        if p.cfg["data"] == "augmented" and label_terms and not aug.copy_labels:
             raise ConfigError(
                 f"stage '{p.name}' would train on augmented rows, which have no gold label, but its terms "
                 f"{label_terms} use labels; set augmentation.copy_labels=true or leave the stage out of "

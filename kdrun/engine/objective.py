@@ -57,9 +57,10 @@ class StagePlan:
     def uses_teacher(self) -> bool:
         return any(t.spec.uses_teacher for t in self.terms)
 
-    @property
-    def uses_labels(self) -> bool:
-        return any(t.spec.uses_labels for t in self.terms)
+    def label_terms(self, regression: bool) -> list[str]:
+        """The terms that read the gold labels (on a regression task when ``regression``)."""
+        return [t.key for t in self.terms if (t.spec.uses_labels(t.params, regression)
+                                              if callable(t.spec.uses_labels) else t.spec.uses_labels)]
 
     @property
     def teacher_reads_padding(self) -> bool:

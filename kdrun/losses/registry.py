@@ -181,7 +181,9 @@ class LossSpec:
     needs: frozenset[str]
     teacher_needs: frozenset[str]
     uses_teacher: bool
-    uses_labels: bool
+    # Whether the term reads the gold labels: a bool, or ``(params, regression) -> bool`` for a term
+    # that reads them only with some settings (TinyBERT's prediction loss on a regression task).
+    uses_labels: bool | Callable[[Params, bool], bool]
     map_kinds: frozenset[str]
     module: Callable[..., nn.Module | None] | None
     share: Callable[[Params], str | None] | None
@@ -195,7 +197,7 @@ class LossSpec:
     @property
     def reads_task_outputs(self) -> bool:
         """Whether the term needs what only a labelled task has: gold labels or the task head's logits."""
-        return self.uses_labels or self.reads_logits
+        return bool(self.uses_labels) or self.reads_logits
 
     @property
     def param_names(self) -> frozenset[str]:
@@ -238,7 +240,7 @@ def register_loss(
     needs: Iterable[str] = frozenset({"logits"}),
     teacher_needs: Iterable[str] | None = None,
     uses_teacher: bool = True,
-    uses_labels: bool = False,
+    uses_labels: bool | Callable[[Params, bool], bool] = False,
     map_kinds: Iterable[str] | None = None,
     module: Callable[..., nn.Module | None] | None = None,
     share: Callable[[Params], str | None] | None = None,
@@ -252,7 +254,8 @@ def register_loss(
     map (kdrun.models.mapping.MappedPairs) and its typed parameters; ``check`` raises ValueError saying what
     to change. ``reads_padding(p)``: whether, with these parameters, the term reads the teacher's
     outputs at padded positions (the teacher-output store keeps real tokens only, so such a stage
-    runs the teacher live).
+    runs the teacher live). ``uses_labels`` may be ``(p, regression) -> bool`` when the parameters
+    and the task decide whether the term reads the gold labels.
     """
     reads_logits = "logits" in frozenset(needs) | frozenset(teacher_needs or ())
     needs = frozenset(needs) | {"logits"}

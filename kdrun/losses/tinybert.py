@@ -187,14 +187,18 @@ def _stacked_attention(s: Features, t: Features, pairs: list[tuple[int, int]], p
 @dataclass(frozen=True)
 class SoftCeParams(Params):
     temperature: float = param(1.0, check=positive)
+    # On a regression task (STS-B): the MSE to the teacher's outputs or to the gold scores.
+    regression_target: str = param("teacher", choices=("teacher", "gold"))
 
 
-@register_loss("tinybert_soft_ce", params=SoftCeParams)
+@register_loss("tinybert_soft_ce", params=SoftCeParams,
+               uses_labels=lambda p, regression: regression and p.regression_target == "gold")
 def tinybert_soft_ce(s: Features, t: Features, batch, ctx: LossContext, p: SoftCeParams) -> torch.Tensor:
     """TinyBERT's official prediction loss: mean over rows *and* classes of -softmax(z_t/T) log softmax(z_s/T)
-    (``soft_ce`` / C); MSE of the (B, 1) outputs for regression."""
+    (``soft_ce`` / C); for regression the MSE of the (B, 1) outputs to the teacher's outputs, or to the
+    gold scores (``regression_target: gold``)."""
     if ctx.regression:
-        return regression_mse(s.logits, t.logits)
+        return regression_mse(s.logits, batch["labels"] if p.regression_target == "gold" else t.logits)
     zs, zt = prediction_rows(s), prediction_rows(t)
     pt = F.softmax(zt / p.temperature, dim=-1)
     return -(pt * F.log_softmax(zs / p.temperature, dim=-1)).mean()
