@@ -52,7 +52,7 @@ def test_list_shows_every_item_and_its_state(cache: Path, capsys) -> None:
     assert "6 item(s)" in out
     head = out.splitlines()[0]
     assert head.split() == ["kind", "key", "size", "last", "use", "made", "by", "run", "state"]
-    # the columns line up under the header: the run that made the entry is not recorded (—)
+    # the columns line up under the header; these entries, made by hand, record no run (—)
     assert lines["old-20260101"][head.index("made by run"):].startswith("—  ")
     assert lines["old-20260101"][head.index("last use"):].startswith("30.0d ago")
     assert lines["k1"][head.index("state"):] == "unfinished"
@@ -158,3 +158,14 @@ def test_cache_max_gb_bounds_the_cache_after_a_run(tmp_path: Path) -> None:
         run(compose([*TINY, *TOY, "objective=logit", f"cache_dir={root}", "cache_max_gb=0.0005"]), tmp_path / "r")
     assert not (root / "tokenized" / "stale").exists()
     assert any((root / "teachers").iterdir())  # this run's teacher (recently used, small) stays
+
+
+def test_cache_cli_list_names_the_run_that_built_an_entry(run_cfg, cache_dir: Path, tmp_path: Path, capsys) -> None:
+    from kdrun.app.run import run
+
+    rd = tmp_path / "r"
+    run(run_cfg("objective=logit", "report.cost=false"), rd)  # the teacher and its outputs: entries of this run
+    capsys.readouterr()
+    assert main(["list", "--cache-dir", str(cache_dir)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines()[1:-1]]
+    assert rows and all(str(rd.resolve()) in row for row in rows), rows

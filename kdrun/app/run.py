@@ -191,8 +191,10 @@ def _recorded_run(cfg: DictConfig, run_dir: Path, identity: _Identity | None, hy
     """Check the config, record a new run, train; a failure before the run completes writes error.json."""
     from kdrun.runtime.logs import disk_full, record_failure
     from kdrun.runtime.preemption import Interrupted
+    from kdrun.runtime.provenance import set_current_run
 
     progress: dict[str, Any] = {"phase": "config"}
+    set_current_run(run_dir)  # cache entries built from here on name this run
     try:
         pre = preflight(cfg)
         if main and identity is not None and not (run_dir / PROVENANCE).exists():
@@ -216,6 +218,8 @@ def _recorded_run(cfg: DictConfig, run_dir: Path, identity: _Identity | None, hy
         if full is not None:
             raise full from e
         raise
+    finally:
+        set_current_run(None)
 
 
 def _run(cfg: DictConfig, run_dir: Path, pre: RunPlan, progress: dict[str, Any]) -> dict[str, Any]:

@@ -196,7 +196,10 @@ def write_manifest(entry: Path) -> None:
     files = {str(p.relative_to(entry)): {"size": p.stat().st_size, "sha256": file_sha256(p),
                                          "mtime_ns": p.stat().st_mtime_ns}
              for p in sorted(entry.rglob("*")) if p.is_file() and p.name != COMPLETE_MARKER}
-    write_json_atomic(entry / COMPLETE_MARKER, {"version": 1, "files": files})
+    from kdrun.runtime.provenance import current_run
+
+    made_by = {"made_by": current_run()} if current_run() else {}  # the run that built it (kdrun-cache list)
+    write_json_atomic(entry / COMPLETE_MARKER, {"version": 1, "files": files, **made_by})
 
 
 def entry_problem(entry: Path, checksums: bool = True) -> str | None:

@@ -123,13 +123,23 @@ def age(s: float) -> str:
 
 
 LIST_HEAD = ("kind", "key", "size", "last use", "made by run", "state")
-UNKNOWN = "—"  # what an entry does not record: the run that made it
+UNKNOWN = "—"  # an entry that does not record the run that made it (built outside a run, or by an older kdrun)
+
+
+def made_by(entry: Path) -> str:
+    """The run directory that built ``entry``, as its manifest records it."""
+    import json
+
+    try:
+        return json.loads((entry / COMPLETE_MARKER).read_text()).get("made_by") or UNKNOWN
+    except (OSError, ValueError, AttributeError):
+        return UNKNOWN
 
 
 def list_row(it: Item) -> tuple[str, ...]:
-    """One entry's cells under :data:`LIST_HEAD` (entries do not record the run that made them)."""
+    """One entry's cells under :data:`LIST_HEAD`."""
     state = f"{it.state} ({it.problem})" if it.problem else it.state
-    return (it.kind, it.key, human(it.bytes), f"{age(it.age_s)} ago", UNKNOWN, state)
+    return (it.kind, it.key, human(it.bytes), f"{age(it.age_s)} ago", made_by(it.path), state)
 
 
 def print_items(items: list[Item]) -> None:

@@ -24,6 +24,22 @@ def moved_aside(run_dir: Path) -> bool:
     return run_dir.parent.name == PREVIOUS and (run_dir.parent.parent / LOCK_NAME).exists()
 
 
+# The run directory of the run this process is executing (cache entries record who made them).
+_CURRENT: dict[str, str] = {}
+
+
+def set_current_run(run_dir: Path | None) -> None:
+    """Name the run this process executes (None: none any more)."""
+    if run_dir is None:
+        _CURRENT.pop("run", None)
+    else:
+        _CURRENT["run"] = str(Path(run_dir).resolve())
+
+
+def current_run() -> str | None:
+    return _CURRENT.get("run")
+
+
 _MAIN_PACKAGES = ("kdrun", "torch", "transformers", "datasets", "evaluate", "accelerate", "hydra-core", "wandb")
 
 
