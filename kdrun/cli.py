@@ -168,6 +168,13 @@ def stage_strategy_hint(message: str) -> str | None:
             f"(conf/objective/dynabert.yaml does), or stage_strategy={key} on the command line")
 
 
+def _run_identity(resolved: dict) -> str:
+    """A resolved run config's identity (imported when a launcher asks: torch loads with it)."""
+    from kdrun.app.context import run_config_hash
+
+    return run_config_hash(resolved)
+
+
 def _end_quietly(status: int | str | None) -> None:
     """End without a traceback when stdout is gone: a closed pipe ends with the status of a process
     that SIGPIPE ended (141, as the shell reports ``yes | head -1``); another output error (a full
@@ -219,7 +226,7 @@ def _main_with_exit() -> None:
             print(error, file=sys.stderr)
             sys.exit(2)
 
-        install()  # submitit launchers: skip finished jobs, follow SLURM jobs without accounting
+        install(_run_identity)  # submitit launchers: skip finished jobs, follow SLURM jobs without accounting
     try:
         _main()
     except Exception as e:

@@ -85,7 +85,9 @@ def test_bad_objective_param_fails_before_data_or_models_load(tmp_path: Path, mo
     msg = str(err.value)
     assert "objective.stages[0].losses[2]" in msg and "objective.params.pair_loss" in msg
     assert "must be one of mse, l1, huber, kl" in msg
-    assert not (tmp_path / "run").exists()
+    # the run directory holds the record of the failure only (cli.log with its header, error.json)
+    assert {p.name for p in (tmp_path / "run").iterdir()} == {".kdrun.lock", "cli.log", "error.json"}
+    assert (tmp_path / "run" / "cli.log").read_text().startswith("=== ")
 
 
 def test_objective_imports_load_a_plugin_module(tmp_path: Path, monkeypatch) -> None:

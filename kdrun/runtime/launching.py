@@ -22,18 +22,16 @@ import json
 import re
 import subprocess
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 _INSTALLED: dict[str, bool] = {}
 
 
-def job_identity(launcher: Any, overrides: Sequence[str]) -> tuple[Path, str | None]:
-    """A sweep job's directory and its config's identity (None if it does not resolve: the job
-    itself reports why)."""
+def job_identity(launcher: Any, overrides: Sequence[str], identity: Callable[[dict], str]) -> tuple[Path, str | None]:
+    """A sweep job's directory and its config's identity (``identity`` of the resolved job config;
+    None if it does not resolve: the job itself reports why)."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
-
-    from kdrun.app.context import run_config_hash
 
     cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
     saved = HydraConfig.instance().cfg
@@ -45,12 +43,12 @@ def job_identity(launcher: Any, overrides: Sequence[str]) -> tuple[Path, str | N
         with open_dict(task_cfg):
             del task_cfg["hydra"]
         try:
-            identity = run_config_hash(OmegaConf.to_container(task_cfg, resolve=True))
+            found = identity(OmegaConf.to_container(task_cfg, resolve=True))
         except Exception:  # noqa: BLE001 - the job reports its own config error
-            identity = None
+            found = None
     finally:
         HydraConfig.instance().cfg = saved
-    return path, identity
+    return path, found
 
 
 def finished_return(run_dir: Path, overrides: Sequence[str]):
@@ -73,11 +71,11 @@ def _finished_as(run_dir: Path, identity: str) -> bool:
         return False
 
 
-def _skipping_launch(original):
+def _skipping_launch(original, identity_of: Callable[[dict], str]):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int):
         done, todo = {}, []
         for i, overrides in enumerate(job_overrides):
-            run_dir, identity = job_identity(self, overrides)
+            run_dir, identity = job_identity(self, overrides, identity_of)
             if identity is not None and _finished_as(run_dir, identity):
                 done[i] = finished_return(run_dir, overrides)
             else:
@@ -159,8 +157,9 @@ def _watcher_class():
     return AccountingAwareWatcher
 
 
-def install() -> None:
-    """Patch the submitit launcher plugin and watcher in this (submitting) process; idempotent."""
+def install(identity_of: Callable[[dict], str]) -> None:
+    """Patch the submitit launcher plugin and watcher in this (submitting) process; idempotent.
+    ``identity_of``: a resolved job config's identity (kdrun.app.context.run_config_hash)."""
     if _INSTALLED:
         return
     _INSTALLED["done"] = True
@@ -175,5 +174,5 @@ def install() -> None:
         if name.startswith("hydra_plugins.hydra_submitit_launcher."):
             for base in cls.__mro__:
                 if base.__name__ == "BaseSubmititLauncher" and not getattr(base.launch, "_kdrun", False):
-                    base.launch = _skipping_launch(base.launch)
+                    base.launch = _skipping_launch(base.launch, identity_of)
     SlurmJob.watcher = _watcher_class()(delay_s=SlurmJob.watcher._delay_s)
