@@ -200,6 +200,8 @@ def _metric_rows(summary: Mapping[str, Any]) -> list[str]:
 
 
 def _cost_rows(cost: Mapping[str, Any] | None) -> list[str]:
+    from kdrun.report.cost import size_text
+
     if not cost or "student" not in cost:
         return []
     rows = [f"Measured by the run on `{cost['device']}` (threads: {cost['threads']}): latency at batch 1 × "
@@ -209,7 +211,7 @@ def _cost_rows(cost: Mapping[str, Any] | None) -> list[str]:
     for who in ("teacher", "student"):
         c = cost.get(who)
         if c:
-            rows.append(f"| {who} | {c['total']:,} | {c['without_embeddings']:,} | {c['size_mb']:.1f} MB "
+            rows.append(f"| {who} | {c['total']:,} | {c['without_embeddings']:,} | {size_text(c['size_mb'])} "
                         f"({c['dtype']}) | {c['latency_ms']:.2f} ms | {c['throughput_rows_s']:,.0f} rows/s |")
     r = cost.get("ratios")
     if r:
