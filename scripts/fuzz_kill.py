@@ -39,7 +39,7 @@ run once. A run passes when:
   history as ``wandb sync`` of them in order leaves it (a resumed run's row at or below a step
   already there is dropped) has every step of the uninterrupted run once, with the same values.
 
-Every process of a run (wandb's service, in a session of its own, too) is waited for before the
+Every process of a run (wandb's service, in a process group of its own, too) is waited for before the
 next run starts; one still there a minute after its run ended is killed.
 
 Prints where each signal landed (the last phase the run had printed) and the count, e.g.
@@ -133,7 +133,7 @@ def command(args: argparse.Namespace, work: Path) -> list[str]:
                          port=free_port() if args.ddp else 29500)
 
 
-TAG = "KDRUN_FUZZ_RUN"  # every process of a run carries it (wandb's service too, in a session of its own)
+TAG = "KDRUN_FUZZ_RUN"  # every process of a run carries it (wandb's service too, in a process group of its own)
 
 
 def env(tag: str = "") -> dict[str, str]:
@@ -144,7 +144,7 @@ def env(tag: str = "") -> dict[str, str]:
 
 
 def start(cmd: list[str], log) -> subprocess.Popen:
-    """Start a run in a session of its own; its processes carry ``KDRUN_FUZZ_RUN=<a tag of its own>``
+    """Start a run in a process group of its own (setsid); its processes carry ``KDRUN_FUZZ_RUN=<a tag of its own>``
     (``proc.tag``)."""
     tag = secrets.token_hex(8)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(tag), start_new_session=True)
