@@ -25,10 +25,20 @@ def command_line(pid: int) -> str:
     return _read(str(pid), "cmdline").replace(b"\0", b" ").decode(errors="replace").strip()
 
 
+# Helpers that multiprocessing starts once for the test process and keeps for its life (mp.spawn
+# starts the resource tracker): they end with the test session, not with the test.
+OWN_HELPERS = (b"from multiprocessing.resource_tracker import main", b"from multiprocessing.forkserver import main")
+
+
+def _own_helper(pid: str, cmd: bytes) -> bool:
+    parent = _read(pid, "stat").rsplit(b")", 1)[-1].split()[1:2]  # after "pid (comm)": state, ppid
+    return parent == [str(os.getpid()).encode()] and any(h in cmd for h in OWN_HELPERS)
+
+
 def processes_of(tmp: Path) -> dict[int, str]:
     """Live processes other than this one whose environment holds ``KDRUN_TEST_TMP=<tmp>`` or whose
     command line names ``tmp`` or a path under it: pid -> command line (zombies, which have neither,
-    are not counted: they have ended)."""
+    are not counted: they have ended; nor this process's own multiprocessing helpers)."""
     tag, path = f"{TAG}={tmp}\0".encode(), str(tmp).encode()
     me, found = os.getpid(), {}
     for d in Path("/proc").iterdir():
@@ -37,7 +47,7 @@ def processes_of(tmp: Path) -> dict[int, str]:
         cmd = _read(d.name, "cmdline")
         args = cmd.split(b"\0")
         named = any(a == path or a.startswith(path + b"/") or b"=" + path + b"/" in a for a in args)
-        if named or tag in b"\0" + _read(d.name, "environ"):
+        if (named or tag in b"\0" + _read(d.name, "environ")) and not _own_helper(d.name, cmd):
             found[int(d.name)] = cmd.replace(b"\0", b" ").decode(errors="replace").strip()
     return found
 
