@@ -1,8 +1,8 @@
 """The processes a test started, found after it ended: every child inherits ``KDRUN_TEST_TMP=<the
 test's tmp dir>`` from the test's environment (set by the ``no_leftover_processes`` fixture of
 tests/conftest.py), and kdrun's runs name the tmp dir on their command lines. A process in a
-session of its own (wandb's service, a SLURM job's steps, an orphaned torchrun worker) is found the
-same way, which a walk of the test process's children would miss. Linux only (/proc)."""
+process group of its own (setsid: wandb's service, a SLURM job's steps, an orphaned torchrun worker) is
+found the same way, which a walk of the test process's children would miss. Linux only (/proc)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def command_line(pid: int) -> str:
 
 
 # Helpers that multiprocessing starts once for the test process and keeps for its life (mp.spawn
-# starts the resource tracker): they end with the test session, not with the test.
+# starts the resource tracker): they end with the pytest process, not with the test.
 OWN_HELPERS = (b"from multiprocessing.resource_tracker import main", b"from multiprocessing.forkserver import main")
 
 

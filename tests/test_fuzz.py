@@ -295,9 +295,9 @@ def test_fuzz_kill_events_are_what_the_run_wrote(tmp_path: Path) -> None:
     assert fk.parse_args(["--fast"]).at == "event" and fk.parse_args([]).at == "time"
 
 
-def test_fuzz_leftover_check_finds_a_process_in_a_session_of_its_own(tmp_path: Path) -> None:
+def test_fuzz_leftover_check_finds_a_process_in_a_group_of_its_own(tmp_path: Path) -> None:
     """The check the fuzz, DDP and SLURM tests end with: a grandchild whose parent has exited and
-    that left the test's session is still found by the tag it inherited, and only it."""
+    that left the test's process group (setsid) is still found by the tag it inherited, and only it."""
     spawn = ("import subprocess; print(subprocess.Popen(['sleep', '60'], start_new_session=True, "
              "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)")
     env = {**os.environ, procs.TAG: str(tmp_path)}
