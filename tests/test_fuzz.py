@@ -59,6 +59,20 @@ def test_fuzz_kill_wandb_fast(tmp_path: Path) -> None:
     assert "one wandb run" in buf.getvalue()
 
 
+@pytest.mark.usefixtures("no_leftover_processes")
+@pytest.mark.parametrize("signal,event", [("KILL", "student step 6"), ("TERM", "teacher checkpoint")])
+def test_fuzz_kill_wandb_after_a_checkpoint_or_in_the_teacher_fast(tmp_path: Path, signal: str, event: str) -> None:
+    """A SIGKILL after the student's checkpoint (the killed run's wandb service writes nothing: the
+    restart logs the rows up to its checkpoint again) and a SIGTERM while the teacher fine-tunes (the
+    restart keeps the wandb run id though no student checkpoint exists): one wandb run, every step once."""
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = load_script("fuzz_kill").main(["--fast", "--logger", "wandb", "--signal", signal, "--runs", "1",
+                                            "--at", "event", "--events", event, "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "fuzz_kill.json").read_text())
+    assert rc == 0 and res["passed"] == res["counted"] == 1, buf.getvalue()
+
+
 def test_fuzz_kill_judges_the_restart() -> None:
     """A run passes only when its one restart resumed from the checkpoint on disk (or later)."""
     fk = load_script("fuzz_kill")

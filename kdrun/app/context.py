@@ -169,13 +169,15 @@ def _augmented_data(cfg: DictConfig, train_raw, tokenizer, tok_hash: str, span_e
 def make_tracker(session: Session):
     """metrics.jsonl (and wandb when configured), on the main process only."""
     from kdrun.engine.checkpoints import has_checkpoint
-    from kdrun.runtime.tracking import Tracker, wandb_run_id
+    from kdrun.runtime.tracking import WANDB_ID_FILE, Tracker, wandb_run_id
 
     cfg = session.cfg
     run_name = cfg.run_name or f"{cfg.task.name}-{cfg.objective.name}-{cfg.student.name}"
     main, run_id = session.accelerator.is_main_process, None
-    if main and cfg.logger.name == "wandb" and cfg.logger.mode != "disabled":  # the same wandb run only on a resume
-        resuming = bool(cfg.resume) and has_checkpoint(session.run_dir)
+    if main and cfg.logger.name == "wandb" and cfg.logger.mode != "disabled":
+        # the same wandb run for every attempt at this directory's run (another configuration's run was
+        # refused, resume=false moved the old run and its id aside)
+        resuming = bool(cfg.resume) and (has_checkpoint(session.run_dir) or (session.run_dir / WANDB_ID_FILE).is_file())
         run_id = wandb_run_id(session.run_dir, run_name, session.config_hash, resuming=resuming)
     return Tracker(session.run_dir, cfg.logger, session.resolved, run_name, enabled=main, run_id=run_id)
 

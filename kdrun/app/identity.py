@@ -92,6 +92,9 @@ def differing_keys(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, 
 
 
 def _show(value: Any) -> str:
+    from enum import Enum
+
+    value = value.value if isinstance(value, Enum) else value  # the schema's choices, as spelt in configs
     text = "(absent)" if not isinstance(value, (str, int, float, bool, tuple, type(None))) else repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 

@@ -67,6 +67,7 @@ def train_stages(session: Session, parts, progress: dict[str, Any] | None = None
     def resumed(state, ckpt: Path) -> None:
         if acc.is_main_process:
             rewind_metrics_log(run_dir)
+            session.tracker.replay()  # wandb: the rows a killed attempt's service may not have written
         print(f"[kdrun] resuming at stage {state.stage} step {state.global_step} from {ckpt}")
 
     def fresh() -> None:

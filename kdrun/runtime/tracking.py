@@ -1,8 +1,12 @@
 """Run tracking: ``metrics.jsonl`` always, Weights & Biases when the logger group asks for it.
 
-A run directory's wandb run id is kept in ``wandb_id.txt``: a resumed run (its checkpoint is picked
-up) continues the wandb run it had, while a fresh start (``resume=false``, or nothing to resume) gets
-a new id, so its steps are not dropped behind the old run's step counter.
+A run directory's wandb run id is kept in ``wandb_id.txt``: every attempt at the directory's run
+(a resume from its checkpoint, or a retry of an attempt stopped before its first checkpoint)
+continues the wandb run it had, while a fresh start (``resume=false``, which moves the old run and
+its id aside) gets a new id. A resumed attempt logs the rows of ``metrics.jsonl`` up to its
+checkpoint to wandb again (:meth:`Tracker.replay`): a killed attempt's wandb service may have
+written none of them, and wandb drops the rows of steps it already holds, so each step is logged
+once.
 """
 
 from __future__ import annotations
@@ -86,6 +90,17 @@ class Tracker:
             f.write(json.dumps(record, default=float) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in values.items() if isinstance(v, (int, float))}, step=step)
+
+    def replay(self) -> int:
+        """Log metrics.jsonl's rows (rewound to the checkpoint being resumed) to wandb again, in order;
+        returns how many."""
+        if self.wandb_run is None or not self.path.is_file():
+            return 0
+        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        for row in rows:
+            values = {k: v for k, v in row.items() if k not in ("step", "time") and isinstance(v, (int, float))}
+            self.wandb_run.log(values, step=int(row["step"]))
+        return len(rows)
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.wandb_run is not None:
