@@ -239,8 +239,10 @@ def test_resume_keeps_the_wandb_run_and_a_fresh_start_gets_a_new_one(run_cfg, tm
     run(run_cfg(*FAST, "resume=false"), rd)  # starts over: steps from 0 again, in a new wandb run
     fresh = inits[-1]["id"]
     assert fresh != first and (rd / WANDB_ID_FILE).read_text().strip() == fresh
-    ids = [p.name.split("-", 3)[3] for p in (rd / "wandb").glob("offline-run-*")]  # offline-run-<time>-<id>
-    assert set(ids) == {first, fresh}  # (the resumed run's directory may be the first one's, same second)
+    # offline-run-<time>-<id>; resume=false moved the old run, its wandb directory included, aside
+    ids = [p.name.split("-", 3)[3] for p in (rd / "wandb").glob("offline-run-*")]
+    old = [p.name.split("-", 3)[3] for p in (rd / "previous").glob("*/wandb/offline-run-*")]
+    assert set(ids) == {fresh} and set(old) == {first}
 
 
 def test_odd_run_name_works_and_config_has_no_private_keys(run_cfg, tmp_path: Path, inits) -> None:
