@@ -140,7 +140,11 @@ TAG = "KDRUN_FUZZ_RUN"  # every process of a run carries it (wandb's service too
 
 
 def env(tag: str = "") -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    """The runs' environment: offline, tagged; without the caller's wandb service (``WANDB_SERVICE``,
+    which a process that ran wandb sets: a run attached to it would leave its run id in use there
+    when killed, and its restart could not open the same run)."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "WANDB_SERVICE")
+    e = {k: v for k, v in os.environ.items() if k not in drop}
     e.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
              OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **({TAG: tag} if tag else {}))
     return e

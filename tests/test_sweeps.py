@@ -21,7 +21,8 @@ from tests.conftest import TINY, TOY, compose
 
 
 def env_for(tmp: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("KDRUN_SWEEP_NAME", "RANK", "WORLD_SIZE")}
+    # WANDB_SERVICE: the test process's own wandb service, which a kdrun process must not attach to
+    env = {k: v for k, v in os.environ.items() if k not in ("KDRUN_SWEEP_NAME", "RANK", "WORLD_SIZE", "WANDB_SERVICE")}
     env.update(KDRUN_OUTPUT_DIR=str(tmp / "outputs"), KDRUN_CACHE_DIR=str(tmp / "cache"), HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     return env
