@@ -128,8 +128,8 @@ def _exit_for(error: Exception, full_traceback: bool) -> None:
         print(f"kdrun: error: cannot write the run directory: {error.strerror}: {error.filename}; choose a "
               "writable place with hydra.run.dir=... (hydra.sweep.dir=... with -m) or KDRUN_OUTPUT_DIR=...",
               file=sys.stderr)
-    elif not _STATUS["user_error"] and _composition_line(error):
-        print(f"kdrun: error: {_composition_line(error)}", file=sys.stderr)
+    elif not _STATUS["user_error"] and (line := _composition_line(error)):
+        print(f"kdrun: error: {line}", file=sys.stderr)
     elif not _STATUS["user_error"]:  # as Hydra prints them; a sweep job printed its own error already
         print(str(error), file=sys.stderr)
         if isinstance(error.__cause__, OmegaConfBaseException):

@@ -3,6 +3,7 @@ packages (kept once per run in ``provenance.json``, and in ``results.json``)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata as md
 import os
 import platform
@@ -51,6 +52,7 @@ def _git(args: list[str], cwd: Path) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+@functools.lru_cache(maxsize=1)  # kdrun's code does not change while it runs: ask git once
 def git_commit() -> dict[str, Any] | None:
     """kdrun's commit when it runs from a git checkout (an editable install): ``{"commit", "dirty"}``
     (dirty: tracked files changed since the commit); None for an installed package."""
