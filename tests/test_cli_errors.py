@@ -24,6 +24,8 @@ CASES = [
                                                          "objective.params; did you mean objective.params.window_pair"),
     (["model=bert_base"], "model= is not chosen on its own: its options are chosen through teacher= and student="),
     (["train.lr=abc"], "train.lr='abc': expected float"),
+    (["train.precision=bf17"], "train.precision='bf17': not one of auto, no, fp32, bf16, fp16; did you mean "
+                               "train.precision=bf16"),
     (["train.optimizer.kwargs.betas=[0.9,0.99]"], "train.optimizer.kwargs.betas: not set in train.optimizer.kwargs; "
                                                   "add it with +train.optimizer.kwargs.betas=<value>"),
 ]

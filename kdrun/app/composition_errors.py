@@ -76,7 +76,14 @@ def unknown_key(message: str, keys_at: Any, groups: Iterable[str] = ()) -> str |
 
 
 def bad_value(message: str) -> str | None:
-    """``Value 'abc' of type 'str' could not be converted to Float`` (full_key: train.lr)."""
+    """``Value 'abc' of type 'str' could not be converted to Float`` (full_key: train.lr), or a value
+    outside a key's closed set of choices (``Invalid value 'bf17', expected one of [...]``)."""
+    choice = re.search(r"Invalid value '([^']*)', expected one of \[([^\]]*)\]\s+full_key: (\S+)", message)
+    if choice:
+        value, listed, key = choice.groups()
+        options = [o.strip() for o in listed.split(",")]
+        return (f"{key}={value!r}: not one of {', '.join(options)}"
+                f"{_did_you_mean([f'{key}={o}' for o in _closest(value, options)])}")
     found = re.search(r"Value '([^']*)' of type '\w+' could not be converted to (\w+)\s+full_key: (\S+)", message)
     if not found:
         return None
