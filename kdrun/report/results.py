@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from kdrun.tasks.baselines import Baseline, lookup
 from kdrun.runtime.provenance import moved_aside
+from kdrun.tasks.baselines import Baseline, lookup
 from kdrun.tasks.kinds import kind_of, metric_sign
 
 # Config keys that never distinguish one experimental setting from another.
