@@ -1,5 +1,5 @@
-"""What kdrun adds to the submitit launchers (``launcher=submitit_local`` / ``slurm``) in the
-submitting process.
+"""What kdrun adds to the submitit launchers (``launcher=submitit_local`` / ``slurm`` / ``packed``) in
+the submitting process.
 
 * **Finished jobs are not submitted again.** Each job's directory is named by its overrides, so
   before launching, the jobs whose directory already holds this configuration's ``results.json``
@@ -11,6 +11,8 @@ submitting process.
   poll printed a warning for as long as the jobs ran. kdrun's watcher notices this once, says so
   in one line and follows the jobs with ``squeue`` instead (completion itself is read from the
   result files either way).
+* **Packed local jobs.** ``launcher=packed`` is submitit's local launcher with a ``jobs_at_once``
+  setting: its unfinished jobs go to :mod:`kdrun.runtime.packing`, which runs that many at a time.
 
 :func:`install` patches the plugin's ``launch`` and submitit's SLURM watcher in the submitting
 process only; the jobs run the plugin unchanged.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -83,7 +86,12 @@ def _skipping_launch(original, identity_of: Callable[[dict], str]):
         if done:
             print(f"[kdrun] {len(done)} of {len(job_overrides)} jobs already have results (reported, not "
                   f"submitted); submitting {len(todo)}", flush=True)
-        launched = original(self, [job_overrides[i] for i in todo], initial_job_idx) if todo else []
+        submit = partial(original, self)
+        if "jobs_at_once" in self.params:  # launcher=packed; a bad setting is refused before any job
+            from kdrun.runtime.packing import packed_submit
+
+            submit = packed_submit(self)
+        launched = submit([job_overrides[i] for i in todo], initial_job_idx) if todo else []
         out = dict(done) | dict(zip(todo, launched))
         return [out[i] for i in range(len(job_overrides))]
 
