@@ -148,3 +148,63 @@ def _chunk_grads(grads, e, sym: bool, cos_s, scale, ich, block, windowed) -> Non
     corner = torch.arange(j0, j1, device=dg.device) * (side + 1)
     index = (corner[:, None, None] + flat_local[None]).reshape(-1)
     dg[0, p0:p1].view(p1 - p0, -1).index_add_(1, index, f.reshape(p1 - p0, -1))
+
+
+# ----------------------------------------------------------------------------- salient triples
+
+class SalientAngleLoss(torch.autograd.Function):
+    """Σ over stacked layers of the mean smooth-L1 between the student's and the teacher's cosines at
+    chosen vertices, each between every ordered pair of its chosen neighbours (MGSKD's salient
+    triples), read from Gram matrices of centred points, gradient fused into the forward pass.
+
+    Inputs: ``gs`` (P, n, n) the student's Gram matrices, ``gt`` the teacher's (no gradient), ``idx``
+    (P, K1, 1 + K2) per vertex its index then its neighbours', ``valid`` (P, K1, K2) the neighbours
+    that count, ``beta``, ``layers`` (P = layers x examples) and whether a gradient is wanted. Per
+    vertex the (1 + K2)² Gram entries are gathered at once; a neighbour that is invalid or coincides
+    with its vertex (squared distance below the tolerance ``tol`` s + ``tiny``) gives cos 0, and a
+    pair of valid neighbours counts as a triple (a = b included: cos 1 on both sides).
+    """
+
+    @staticmethod
+    def forward(ctx, gs, gt, idx, valid, beta, layers, tol, tiny, want):  # type: ignore[override]
+        P, n, _ = gs.shape
+        K = idx.shape[-1]
+        flat = (idx[..., :, None] * n + idx[..., None, :]).view(P, -1)
+        g = torch.stack([gs, gt]).view(2, P, n * n)
+        m = g.gather(-1, flat.expand(2, P, -1)).view(2, P, -1, K, K)  # vertex at 0, then its neighbours
+        r, gvv = m[..., 0, :], m[..., :1, 0]  # G_v., G_vv
+        c = gvv * 0.5 - r  # <r_a - r_v, r_b - r_v> = G_ab + c_a + c_b
+        s = m.diagonal(dim1=-2, dim2=-1) + gvv
+        sq = torch.sub(s, r, alpha=2.0)  # squared distance to the vertex (0 at the vertex itself)
+        ok = sq > s * tol + tiny
+        ok[..., 1:] &= valid
+        inv = torch.rsqrt(sq.clamp_min(tiny)).mul_(ok)
+        scale = inv[..., :, None] * inv[..., None, :]
+        cos = m + c[..., :, None]
+        cos += c[..., None, :]
+        cos.mul_(scale).clamp_(-1.0, 1.0)
+        per = F.smooth_l1_loss(cos[0], cos[1], reduction="none", beta=beta).view(layers, -1).sum(-1)
+        nv = valid.sum(-1, dtype=gs.dtype)
+        count = (nv * nv).view(layers, -1).sum(-1).clamp_min(1)  # valid triples per layer
+        if want:
+            ctx.save_for_backward(_salient_grad(cos, scale[0], inv[0], flat, (P, n), beta, count, layers))
+        return (per / count).sum()
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        (dg,) = ctx.saved_tensors
+        return grad_out * dg, None, None, None, None, None, None, None, None
+
+
+def _salient_grad(cos, scale, inv, flat, shape, beta, count, layers) -> torch.Tensor:
+    """dLoss/dG of :class:`SalientAngleLoss` for the student (cos (2, P, K1, K, K) both sides')."""
+    P, n = shape
+    e = (cos[0] - cos[1]).clamp_(-beta, beta)  # beta x dHuber/dcos
+    f = e * scale  # dcos_ab/dG_ab = inv_a inv_b
+    t = e.mul_(cos[0]).sum(-1).mul_(inv).mul_(inv)  # -dLoss/dsq_a
+    q = f.sum(-1) - t  # dLoss/dc_a / 2 + dLoss/dsq_a (both sides of the symmetric cos)
+    f[..., 0, :].sub_(q, alpha=2.0)  # G_va, through c_a and sq_a
+    f.diagonal(dim1=-2, dim2=-1).sub_(t)  # G_aa, through sq_a
+    f[..., 0, 0].add_(q.sum(-1))  # G_vv, through every c_a and sq_a
+    f = f.view(layers, -1).mul_((count * beta).reciprocal()[:, None])
+    return torch.zeros((P, n * n), dtype=f.dtype, device=f.device).scatter_add_(-1, flat, f.view(P, -1)).view(P, n, n)

@@ -48,9 +48,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kdrun.losses.angle_kernel import SalientAngleLoss
 from kdrun.losses.prediction import Temperature, logit_kd, regression_mse
 from kdrun.losses.registry import LossContext, ParamError, Params, param, positive, positive_int, register_loss
-from kdrun.losses.relations import _safe_rsqrt, _tiny, _tol, angle_loss, center, full_precision, gram, relation_dtype
+from kdrun.losses.relations import _tiny, _tol, angle_loss, full_precision, gram, relation_dtype, valid_points
 from kdrun.models.features import Features, no_autocast
 
 PROJECT = ("auto", "always", "never")
@@ -80,92 +81,48 @@ def pair_mse(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, m: int) -> 
 
     Per head, with X zeroed at invalid points, a = ds/m, b = dt/m:
     ``||X_s X_s^T/√a - X_t X_t^T/√b||² = ||X_s^T X_s||²/a - 2 ||X_s^T X_t||²/√(ab) + ||X_t^T X_t||²/b``,
-    products of (a × a), (a × b), (b × b) matrices: O(n d²/m) instead of O(n² d). The reductions
-    run in fp64 so the cancellation between the three terms stays far below the loss itself.
+    i.e. ``Σ_ij u_i u_j K_ij²`` for the Gram matrix ``K = Y^T Y`` of both sides' sub-vectors side by
+    side, ``Y = [X_s | X_t]``, with ``u = (a^-1/2 … , -b^-1/2 …)``: one (a+b) × (a+b) product per head,
+    O(n d²/m) instead of O(n² d). The reductions run in fp64 so the cancellation between the blocks
+    stays far below the loss itself.
     """
-    pad = ~mask[..., None]
+    y = torch.cat([xs, xt.to(xs.dtype)], -1).masked_fill(~mask[..., None], 0.0)
+    return _pair_mse(y, xs.shape[-1], mask, m)
 
-    def cols(x: torch.Tensor) -> torch.Tensor:  # (B, n, d) -> (B, m, d/m, n), contiguous, fp64
-        x = x.masked_fill(pad, 0.0).double()
-        return split_heads(x, m).transpose(-1, -2).contiguous()
 
-    def norm2(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # ||U V^T||^2 per stacked layer
-        return (u @ v.transpose(-1, -2)).square().flatten(-4).sum(-1)
-
-    hs = cols(xs)
-    with torch.no_grad():
-        ht = cols(xt)
-        tt = norm2(ht, ht) / ht.shape[-2]
-    a, b = hs.shape[-2], ht.shape[-2]
-    ss = norm2(hs, hs) / a
-    st = norm2(hs, ht) / math.sqrt(a * b)
-    count = m * mask.sum(-1).double().square().sum()
-    return ((ss - 2.0 * st + tt).clamp_min(0.0) / count.clamp_min(1)).sum().to(xs.dtype)
+def _pair_mse(y: torch.Tensor, ds: int, mask: torch.Tensor, m: int) -> torch.Tensor:
+    """:func:`pair_mse` of both sides' points side by side, ``y`` (..., B, n, ds + dt), padding zeroed."""
+    a, b, dt = ds // m, (y.shape[-1] - ds) // m, y.dtype
+    y = torch.cat([split_heads(y[..., :ds], m), split_heads(y[..., ds:], m)], -1).double()  # (..., B, m, n, a+b)
+    k2 = (y.transpose(-1, -2) @ y).square().sum((-4, -3))  # (..., a + b, a + b), summed over examples, heads
+    u = [(a * m) ** -0.5] * a + [-((b * m) ** -0.5)] * b  # 1/m of the mean folded in
+    w = torch.tensor([ui * uj for ui in u for uj in u], dtype=torch.float64, device=y.device)
+    n = mask.sum(-1, dtype=torch.float64)
+    per_layer = (k2.flatten(-2) @ w).clamp_min(0.0)  # each stacked layer's sum of squared errors / m
+    return (per_layer / (n @ n).clamp_min(1)).sum().to(dt)
 
 
 def salient_selection(pt: torch.Tensor, mask: torch.Tensor, k1: int, k2: int
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The two-step selection on the teacher's interactions ``pt`` (B, m, n, n), mask (B, n).
+    """The two-step selection on the teacher's interactions ``pt`` (..., B, m, n, n), mask (B, n);
+    leading dims (stacked layers) share the mask.
 
-    Returns vertices (B, K1) token indices, neighbours (B, K1, K2) token indices and their validity
-    (B, K1, K2) bool (False where an example has fewer valid points than k1 / k2 + 1), with
-    K1 = min(k1, n), K2 = min(k2, n - 1).
+    Returns vertices (..., B, K1) token indices, neighbours (..., B, K1, K2) token indices and their
+    validity (..., B, K1, K2) bool (False where an example has fewer valid points than k1 / k2 + 1),
+    with K1 = min(k1, n), K2 = min(k2, n - 1).
     """
-    B, _, n, _ = pt.shape
-    a = torch.softmax(pt.masked_fill(~mask[:, None, None, :], _NEG), dim=-1)
-    heads_sum = a.sum(1)  # (B, n, n): attention query i pays to j, summed over heads
+    n, pad = pt.shape[-1], ~mask
+    a = torch.softmax(pt.masked_fill(pad[:, None, None, :], _NEG), dim=-1)
+    heads_sum = a.sum(-3)  # (..., B, n, n): attention query i pays to j, summed over heads
     heads_sum.mul_(mask[:, :, None])  # queries that are padding give nothing
-    glob = heads_sum.sum(1).masked_fill(~mask, -math.inf)  # (B, n): attention received
+    glob = heads_sum.sum(-2).masked_fill(pad, -math.inf)  # (..., B, n): attention received
     K1, K2 = min(k1, n), max(min(k2, n - 1), 0)
     vscore, vert = glob.topk(K1, dim=-1)
-    local = heads_sum.gather(1, vert[..., None].expand(B, K1, n))  # (B, K1, n): attention the vertex pays
-    ar = torch.arange(n, device=pt.device)
-    local = local.masked_fill(~mask[:, None, :] | (ar[None, None, :] == vert[..., None]), -math.inf)
+    local = heads_sum.gather(-2, vert[..., None].expand(*vert.shape, n))  # attention the vertex pays
+    local = local.scatter(-1, vert[..., None], -math.inf).masked_fill(pad[:, None, :], -math.inf)
     nscore, nb = local.topk(K2, dim=-1)
-    valid = (nscore > -math.inf) & (vscore > -math.inf)[..., None]  # scores are finite or -inf
+    valid = (nscore + vscore[..., None]) > -math.inf  # scores are finite or -inf
     return vert, nb, valid
-
-
-def vertex_angles(x: torch.Tensor, mask: torch.Tensor, vert: torch.Tensor, nb: torch.Tensor, valid: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos of the angle at each vertex between each ordered pair of its neighbours, from Gram entries.
-
-    x (B, n, d) points, mask (B, n), vert (B, K1), nb (B, K1, K2), valid (B, K1, K2). Returns
-    (cos (B, K1, K2, K2), triple validity (B, K1, K2, K2)); a neighbour that coincides with its
-    vertex gives cos 0 (as in :mod:`kdrun.losses.relations`).
-    """
-    return gram_angles(gram(center(x, mask)), vert, nb, valid)
-
-
-def gram_angles(g: torch.Tensor, vert: torch.Tensor, nb: torch.Tensor, valid: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`vertex_angles` from the Gram matrix ``g`` (..., B, n, n) of the centred points; leading
-    dims (the student's and the teacher's side) share the selection."""
-    B, K1, K2 = nb.shape
-    *lead, _, n, _ = g.shape
-    dt = g.dtype
-    # every Gram entry the angles read, in one gather: per vertex v its (v, v), (v, a), (a, a), (a, b)
-    v, sq_shape = vert[..., None], (B, K1, K2 * K2)
-    rows = torch.cat([v, v.expand(B, K1, K2), nb, nb[..., :, None].expand(B, K1, K2, K2).reshape(sq_shape)], -1)
-    cols = torch.cat([v, nb, nb, nb[..., None, :].expand(B, K1, K2, K2).reshape(sq_shape)], -1)
-    index = (rows * n + cols).flatten(-2)
-    e = g.flatten(-2).gather(-1, index.expand(*lead, *index.shape)).view(*lead, B, K1, -1)
-    g_vv, g_va, g_aa = e[..., 0], e[..., 1:1 + K2], e[..., 1 + K2:1 + 2 * K2]
-    g_ab = e[..., 1 + 2 * K2:].unflatten(-1, (K2, K2))  # (..., B, K1, K2, K2)
-    s = g_aa + g_vv[..., None]
-    sq = s - 2.0 * g_va  # squared distance neighbour - vertex
-    ok = valid & (sq > _tol(dt) * s + _tiny(dt))
-    inv = _safe_rsqrt(sq, ok)
-    inner = g_ab - g_va[..., :, None] - g_va[..., None, :] + g_vv[..., None, None]
-    cos = (inner * inv[..., :, None] * inv[..., None, :]).clamp(-1.0, 1.0)
-    return cos, valid[..., :, None] & valid[..., None, :]
-
-
-def huber_mean(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor, beta: float, layers: int = 1) -> torch.Tensor:
-    """Smooth-L1 of a - b averaged over ``valid``; with ``layers`` stacked along the first dim, the
-    sum of the layers' averages."""
-    err = F.smooth_l1_loss(a, b, reduction="none", beta=beta).masked_fill(~valid, 0.0)  # a, b finite
-    return (err.reshape(layers, -1).sum(-1) / valid.reshape(layers, -1).sum(-1).clamp_min(1)).sum()
 
 
 def structure_losses(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, *, heads: int, pair: bool,
@@ -173,27 +130,42 @@ def structure_losses(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, *, 
     """(pair MSE, angle Huber) between student points xs (B, n, ds) and teacher points xt (B, n, dt).
 
     Relations are within each example; ``mask`` (B, n) marks the valid points. Stacked layers
-    xs (L, B, n, ds), xt (L, B, n, dt) sharing the mask: the sums over the L layers, in one call
-    (the layers are stacked along the batch).
+    xs (L, B, n, ds), xt (L, B, n, dt) sharing the mask: the sums over the L layers, in one call.
     """
-    zero = xs.sum() * 0.0 if not (pair and angle) else None  # keeps the graph when a part is off or empty
+    return _structure(torch.cat([xs, xt.to(xs.dtype)], -1), xs.shape[-1], mask, heads=heads, pair=pair,
+                      angle=angle, k1=k1, k2=k2, huber_beta=huber_beta)
+
+
+def _structure(y: torch.Tensor, ds: int, mask: torch.Tensor, *, heads: int, pair: bool, angle: bool, k1: int,
+               k2: int, huber_beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`structure_losses` of both sides' points side by side, ``y`` (..., B, n, ds + dt): the
+    masking and centring run once for both."""
+    zero = y.sum() * 0.0 if not (pair and angle) else None  # keeps the graph when a part is off or empty
     lp = la = zero
+    y = y.masked_fill(~mask[..., None], 0.0)
     if pair:
-        lp = pair_mse(xs, xt, mask, heads)
-    if angle and xs.shape[-2] >= 2:
-        layers = math.prod(xs.shape[:-3])
-        fs, ft = xs.reshape(-1, *xs.shape[-2:]), xt.reshape(-1, *xt.shape[-2:])
-        fmask = mask.expand(*xs.shape[:-3], *mask.shape).reshape(-1, mask.shape[-1])
-        with torch.no_grad():
-            pt = pair_interactions(ft, heads)
-            gt = gram(center(ft, fmask))
-        vert, nb, valid = salient_selection(pt, fmask, k1, k2)
-        # both sides' angles in one set of ops (none flows to the teacher)
-        cos, tri = gram_angles(torch.stack([gram(center(fs, fmask)), gt]), vert, nb, valid)
-        la = huber_mean(cos[0], cos[1], tri, huber_beta, layers)
+        lp = _pair_mse(y, ds, mask, heads)
+    if angle and y.shape[-2] >= 2:
+        la = _salient_angles(y, ds, mask, heads, k1, k2, huber_beta)
     elif angle:
-        la = xs.sum() * 0.0
+        la = y.sum() * 0.0
     return lp, la
+
+
+def _salient_angles(y: torch.Tensor, ds: int, mask: torch.Tensor, heads: int, k1: int, k2: int,
+                    beta: float) -> torch.Tensor:
+    """Angle Huber of the salient triples (selected on the teacher) of ``y`` (padding zeroed)."""
+    layers = math.prod(y.shape[:-3])
+    with torch.no_grad():
+        vert, nb, valid = salient_selection(pair_interactions(y[..., ds:], heads), mask, k1, k2)
+    yc = y - y.sum(-2, keepdim=True) / valid_points(mask)  # padding is never read: no triple holds it
+    gs = gram(yc[..., :ds])
+    with torch.no_grad():
+        gt = gram(yc[..., ds:])
+    idx = torch.cat([vert[..., None], nb], -1).flatten(0, -3)
+    dt = y.dtype
+    return SalientAngleLoss.apply(gs.flatten(0, -3), gt.flatten(0, -3), idx, valid.flatten(0, -3), float(beta),
+                                  layers, _tol(dt), _tiny(dt), torch.is_grad_enabled() and gs.requires_grad)
 
 
 def span_points(h: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
@@ -359,9 +331,7 @@ def _within_examples(hs, ht, pairs, module, points, mask, parts: dict, **kw) -> 
     dt = relation_dtype(hs[0])
     if pairs:
         xs, xt = _stacked(hs, ht, pairs, dt, module)
-        with torch.no_grad():
-            pt = points(xt)
-        lp, la = structure_losses(points(xs), pt, mask, **kw)
+        lp, la = _structure(points(torch.cat([xs, xt], -1)), xs.shape[-1], mask, **kw)  # both sides at once
     else:
         lp = la = hs[0].to(dt).sum() * 0.0  # (no layer pair: 0, still on the graph)
     if kw["pair"]:
