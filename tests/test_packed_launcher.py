@@ -89,6 +89,55 @@ def test_jobs_see_the_devices_the_command_sees(monkeypatch: pytest.MonkeyPatch) 
     assert packing.visible_devices_setup() == ["export CUDA_VISIBLE_DEVICES='GPU-1a2b, 0'"]
 
 
+def test_the_executor_starts_a_job_only_while_fewer_than_its_slots_run(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """submitit's local executor starts every job at once; the packed one waits (polling) until a
+    running job has ended. Fake processes that end after a few polls stand in for the jobs."""
+    from submitit.local.local import LocalExecutor
+
+    class Proc:
+        def __init__(self) -> None:
+            self.polls_left = 3
+
+        def poll(self) -> int | None:
+            return None if self.polls_left > 0 else 0
+
+    procs: list[Proc] = []
+    running_at_start: list[int] = []
+
+    def start(self, command: str):
+        running_at_start.append(sum(p.poll() is None for p in procs))
+        procs.append(Proc())
+        return type("Job", (), {"_process": procs[-1]})()
+
+    def wait(_seconds: float) -> None:
+        for p in procs:
+            p.polls_left -= 1
+
+    monkeypatch.setattr(LocalExecutor, "_submit_command", start)
+    monkeypatch.setattr(packing.time, "sleep", wait)
+    executor = packing._packed_executor_class()(folder=tmp_path)
+    executor.slots = 2
+    for _ in range(5):
+        executor._submit_command("job")
+    assert running_at_start == [0, 1, 0, 1, 0]
+
+
+@pytest.mark.parametrize("visible", [None, "0", ""])
+def test_a_job_process_sees_the_devices_of_the_command(visible: str | None, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real submitit job: CUDA_VISIBLE_DEVICES in the job is the submitting command's (unset stays
+    unset), where submitit_local would set it from gpus_per_node (empty: no GPU)."""
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    executor = packing._packed_executor_class()(folder=tmp_path / "jobs")
+    executor.update_parameters(timeout_min=2, setup=packing.visible_devices_setup())
+    job = executor.submit(lambda: os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
+    assert job.result() == ("<unset>" if visible is None else visible)
+
+
 # ------------------------------------------------------------------------------------ a packed sweep
 
 STAMP = re.compile(r"submitit INFO \((\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\) - "
