@@ -60,7 +60,8 @@ def cosines(H: torch.Tensor, c: torch.Tensor, inv: torch.Tensor) -> tuple[torch.
 def _chunk_loss(
     cs: torch.Tensor, ct: torch.Tensor, valid: torch.Tensor, loss: str, beta: float, want_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-    """Summed loss of one chunk, E = dLoss/dcos_s (mse: half of it), and whether E is symmetric.
+    """Summed loss of one chunk, E = dLoss/dcos_s (mse: half of it; huber: beta times it), and whether E is
+    symmetric.
 
     ``ct`` is overwritten.
     """
@@ -73,14 +74,14 @@ def _chunk_loss(
         val = ((pt * (lt - ls)).sum(-1) * rows).sum()
         e = (ls.exp() - pt) * rows[..., :, None] if want_grad else None
         return val, e, False
+    val = F.smooth_l1_loss(cs, ct, reduction="sum", beta=beta) if loss == "huber" else None
     diff = torch.sub(cs, ct, out=ct)  # ct is not needed any more
     if loss == "mse":
         flat = diff.reshape(-1)
         return torch.dot(flat, flat), diff if want_grad else None, True
     if loss == "l1":
         return diff.abs().sum(), diff.sign() if want_grad else None, True
-    val = F.smooth_l1_loss(diff, torch.zeros_like(diff), reduction="sum", beta=beta)
-    return val, (diff.clamp(-beta, beta) / beta) if want_grad else None, True
+    return val, diff.clamp_(-beta, beta) if want_grad else None, True  # 1/beta: the backward's factor
 
 
 class AngleLoss(torch.autograd.Function):
@@ -106,12 +107,12 @@ class AngleLoss(torch.autograd.Function):
             ar = torch.arange(w, device=g.device)
             flat_local = ar[:, None] * side + ar[None, :]  # (w, w) offsets from the vertex's corner
         grads = [torch.zeros_like(x) for x in ((src if windowed else g), c, inv)] if want else None
-        total = torch.zeros((), dtype=torch.float64, device=g.device)  # no host sync per chunk
+        total = None  # summed in fp64 over several chunks, no host sync per chunk
         for p0, p1, j0, j1 in _chunks(P, n, w, chunk_elems):
             h = h_all[:, p0:p1, j0:j1] if windowed else g[:, p0:p1, None]
             cos, scale = cosines(h, c[:, p0:p1, j0:j1], inv[:, p0:p1, j0:j1])
             val, e, sym = _chunk_loss(cos[0], cos[1], valid[p0:p1, j0:j1], loss, beta, want)
-            total += val
+            total = val if total is None else (total if total.dtype == torch.float64 else total.double()) + val
             if want:
                 _chunk_grads(grads, e, sym, cos[0], scale[0], inv[0, p0:p1, j0:j1], (p0, p1, j0, j1),
                              (side, flat_local) if windowed else None)
@@ -119,12 +120,12 @@ class AngleLoss(torch.autograd.Function):
             if windowed:
                 grads[0] = grads[0][..., window:window + n, window:window + n].contiguous()
             ctx.save_for_backward(*grads)
-            ctx.mse = loss == "mse"
-        return total.to(g.dtype)
+            ctx.factor = 2.0 if loss == "mse" else 1.0 / beta if loss == "huber" else 1.0
+        return total.to(g.dtype) if total is not None else g.new_zeros(())
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        k = 2.0 * grad_out if ctx.mse else grad_out  # mse: E is half the derivative
+        k = grad_out * ctx.factor if ctx.factor != 1.0 else grad_out  # E is dL/dcos up to this factor
         return tuple(k * d for d in ctx.saved_tensors) + (None,) * 6
 
 
@@ -136,11 +137,11 @@ def _chunk_grads(grads, e, sym: bool, cos_s, scale, ich, block, windowed) -> Non
     ec = e.mul_(cos_s)  # dL/dinv_a = sum_b (E_ab + E_ba) cos_ab / inv_a
     if sym:
         dc[0, p0:p1, j0:j1].add_(f.sum(-1), alpha=2.0)
-        t = 2.0 * ec.sum(-1)
+        t, k = ec.sum(-1), 2.0
     else:
         dc[0, p0:p1, j0:j1].add_(f.sum(-1) + f.sum(-2))
-        t = ec.sum(-1) + ec.sum(-2)
-    dinv[0, p0:p1, j0:j1].add_(t * torch.where(ich > 0, ich.reciprocal(), torch.zeros_like(ich)))
+        t, k = ec.sum(-1) + ec.sum(-2), 1.0
+    dinv[0, p0:p1, j0:j1].addcmul_(t, ich.reciprocal().nan_to_num_(posinf=0.0), value=k)  # 1/inv, 0 where inv is 0
     if windowed is None:
         dg[0, p0:p1].add_(f.sum(1))
         return
@@ -177,7 +178,7 @@ class SalientAngleLoss(torch.autograd.Function):
         s = m.diagonal(dim1=-2, dim2=-1) + gvv
         sq = torch.sub(s, r, alpha=2.0)  # squared distance to the vertex (0 at the vertex itself)
         ok = sq > s * tol + tiny
-        ok[..., 1:] &= valid
+        ok[..., 1:].bitwise_and_(valid)
         inv = torch.rsqrt(sq.clamp_min(tiny)).mul_(ok)
         scale = inv[..., :, None] * inv[..., None, :]
         cos = m + c[..., :, None]

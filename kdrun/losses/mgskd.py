@@ -48,10 +48,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdrun.losses.angle_kernel import SalientAngleLoss
+from kdrun.losses.angle_kernel import CHUNK_ELEMS, AngleLoss, SalientAngleLoss
 from kdrun.losses.prediction import Temperature, logit_kd, regression_mse
 from kdrun.losses.registry import LossContext, ParamError, Params, param, positive, positive_int, register_loss
-from kdrun.losses.relations import _tiny, _tol, angle_loss, full_precision, gram, relation_dtype, valid_points
+from kdrun.losses.relations import _tiny, _tol, angle_geometry, full_precision, gram, relation_dtype, valid_points
 from kdrun.models.features import Features, no_autocast
 
 PROJECT = ("auto", "always", "never")
@@ -191,6 +191,23 @@ def sample_points(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Masked mean over real tokens: (..., B, n, d) -> (..., B, d)."""
     m = mask.to(h.dtype)[..., None]
     return (h * m).sum(-2) / m.sum(-2).clamp_min(1)
+
+
+def _sample_angles(v: torch.Tensor, ds: int, heads: int, beta: float) -> torch.Tensor:
+    """Angle Huber among all triples of the batch's samples, in each of the m heads: ``v`` (L, B, ds + dt)
+    both sides' samples side by side (every sample valid: no masking; the batch centred once)."""
+    L, n, _ = v.shape
+    vc = v - v.sum(-2, keepdim=True) / n
+    gs = gram(split_heads(vc[..., :ds], heads).reshape(L * heads, n, -1))  # (L m, B, B)
+    with torch.no_grad():
+        gt = gram(split_heads(vc[..., ds:], heads).reshape(L * heads, n, -1))
+    g, ar = torch.stack([gs, gt]), torch.arange(n, device=v.device)
+    valid = (ar[:, None] != ar[None, :]).expand(L * heads, n, n)  # every ordered pair of other samples
+    c, inv = angle_geometry(g, valid, (None, n))
+    chunk = int(CHUNK_ELEMS.get(v.device.type, CHUNK_ELEMS["cuda"]))
+    total = AngleLoss.apply(g, c, inv, valid, None, "huber", float(beta), chunk,
+                            torch.is_grad_enabled() and gs.requires_grad)
+    return total / max(heads * n * (n - 1) ** 2, 1)  # each layer's mean over its triples, summed
 
 
 # ------------------------------------------------------------------------------------------ module
@@ -385,18 +402,14 @@ def mgskd_sample(s: Features, t: Features, batch, ctx: LossContext, p: SamplePar
     pairs = _layers(ctx.layer_pairs, p.boundary, p.hierarchical, top=True)
     parts: dict[str, torch.Tensor] = {}
     with full_precision(hs[0].device):
-        if pairs:  # every pair at once: the paired layers stacked, (L, B, d) samples
+        if pairs:  # every pair at once: the paired layers stacked, (L, B, d) samples of both sides side by side
             xs, xt = _stacked(hs, ht, pairs, dt, module)
-            vs = sample_points(xs, mask)
-            with torch.no_grad():
-                vt = sample_points(xt, mask)
+            ds, v = xs.shape[-1], sample_points(torch.cat([xs, xt], -1), mask)
             if p.angle:  # (L, m, B, d/m): one point set per layer and head
-                ones = torch.ones((p.heads, vs.shape[-2]), dtype=torch.bool, device=vs.device)
-                parts["angle"] = angle_loss(split_heads(vs, p.heads), split_heads(vt, p.heads), ones, loss="huber",
-                                            window=None, huber_beta=p.huber_beta)
+                parts["angle"] = _sample_angles(v, ds, p.heads, p.huber_beta)
             if p.pair:
-                ones = torch.ones((1, vs.shape[-2]), dtype=torch.bool, device=vs.device)
-                parts["pair"] = pair_mse(vs[:, None], vt[:, None], ones, p.heads)
+                ones = torch.ones((1, v.shape[-2]), dtype=torch.bool, device=v.device)
+                parts["pair"] = _pair_mse(v[:, None], ds, ones, p.heads)
         else:  # no layer pair: 0, still on the graph
             parts = dict.fromkeys([k for k in ("pair", "angle") if getattr(p, k)], hs[0].to(dt).sum() * 0.0)
         if module is not None:
