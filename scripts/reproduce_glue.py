@@ -3,7 +3,7 @@
     python scripts/reproduce_glue.py --glue <GLUE dir> --recipe glue_cpu   # the study in which students learn
     python scripts/reproduce_glue.py --glue <GLUE dir>                     # the miniature study (--recipe mini_glue)
 
-Two recipes. ``--recipe glue_cpu`` (``experiment=glue_cpu``) is the CPU-scale study: CoLA, SST-2,
+``--recipe glue_cpu`` (``experiment=glue_cpu``) is the CPU-scale study: CoLA, SST-2,
 MRPC and STS-B, teachers on the whole training split (SST-2's capped at 16,000 rows), 3-layer
 students for 3 epochs per stage on 2,000 rows at 128 tokens, every objective of the papers on
 SST-2 and STS-B (finetune, logit, pkd, tinybert, minilm, ckd, mgskd, alp and ckd_gradnorm) and the
@@ -14,14 +14,12 @@ student per task (``criterion_lines``), and every objective against logit KD pai
 ``--measure-lengths`` prints the share of rows that each candidate max length would cut, per task
 and split, with the teacher's tokenizer.
 
-``--recipe mini_glue`` (the default) is the miniature study that docs/reports.md describes; its
-students get 32 optimizer steps per stage and mostly stay at the majority class. For every GLUE
-task kdrun knows (CoLA, SST-2, MRPC, STS-B, RTE, QNLI, MNLI, QQP, WNLI; ``--tasks`` chooses) and
-objective (finetune, logit, pkd, tinybert, minilm, ckd, mgskd, alp) on ``experiment=mini_glue``
-(minilm_l6 teacher fine-tuned once per task on the whole training split and cached, 3-layer
-truncated student on the preset's subsample).
+``--recipe claims``: the papers' claims as arms on ``experiment=glue_cpu``, claim by claim, each at
+the setting the GLUE study chose on dev (a grid where it chose none), then the seeds; the table goes
+to docs/claims.md (kdrun/report/claims_plan.py, kdrun/report/claims.py).
 
-Both recipes run the same protocol:
+``--recipe mini_glue`` (the default) is the miniature study of docs/reports.md (32 steps per stage):
+every GLUE task kdrun knows and objective on ``experiment=mini_glue``. The recipes run one protocol:
 
 1. grid: each objective at every learning rate of ``--grid-lr`` (and, for ckd and ckd_gradnorm, every
    ``objective.params.lambda_ckd`` of ``--ckd-lambda``) with ``--grid-seed``, one ``kdrun -m``
@@ -29,9 +27,8 @@ Both recipes run the same protocol:
 2. the setting with the best dev score per (task, objective) is chosen (``OUT/chosen.json``), as
    the papers choose hyperparameters on dev;
 3. seeds: each objective at its chosen setting with ``--seeds`` (six by default, other than the
-   grid's, so the reported scores are not the ones the choice was made on; the exact two-sided
-   sign-flip test cannot go below p = 2/2^n, which is 0.0625 with 5 seeds and 0.031 with 6, so 6
-   is the fewest with which it can mark a difference at p < 0.05; ``OUT/seeds/<task>/<objective>``);
+   grid's; the exact sign-flip test cannot go below p = 2/2^n, 0.031 with 6 seeds, so 6 is the
+   fewest with which it can mark a difference at p < 0.05; ``OUT/seeds/<task>/<objective>``);
 4. ``kdrun-report OUT/seeds``: mean ± std per task and the average, per objective, marks where an
    objective differs from finetune (paired over seeds), CSV with p-values, and the objective x task
    figure (``OUT/report``).
@@ -90,7 +87,12 @@ RECIPES = {
     "glue_cpu": Recipe("glue_cpu", ("cola", "sst2", "mrpc", "stsb"),
                        {"sst2": ALL_OBJECTIVES, "stsb": ALL_OBJECTIVES, "*": ("finetune", "logit")},
                        "1e-4,3e-4", "0.01,0.1", "outputs/glue_cpu", teacher_rows={"sst2": 16000}),
+    # The claims study on the glue_cpu scale (arms and order: kdrun/report/claims_plan.py).
+    "claims": Recipe("glue_cpu", ("cola", "sst2", "stsb"), {"*": ()}, "1e-4,3e-4", "0.01,0.1", "outputs/claims",
+                     teacher_rows={"sst2": 16000}),
 }
+REPO = Path(__file__).resolve().parents[1]
+GLUE_CPU_RUNS = REPO / "docs" / "data" / "glue_cpu_runs.csv"
 # The finetune criterion of the glue_cpu study: (kind, value) per task, on the task's main metric.
 CRITERIA = {"sst2": ("of_teacher", 0.90), "mrpc": ("of_teacher", 0.90), "stsb": ("at_least", 0.70),
             "cola": ("above_zero", None)}
@@ -102,7 +104,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "STS-B/, RTE/, QNLI/, MNLI/, QQP/, WNLI/)")
     p.add_argument("--conll", default=None, help="CoNLL-2000 directory for mgskd's chunker (default: beside --glue)")
     p.add_argument("--recipe", choices=sorted(RECIPES), default="mini_glue",
-                   help="glue_cpu: the study in which students learn; mini_glue: the miniature study")
+                   help="glue_cpu: the study in which students learn; claims: the papers' claims on its scale; "
+                        "mini_glue: the miniature study")
     p.add_argument("--out", default=None, help="output directory (default: outputs/<recipe>)")
     p.add_argument("--tasks", default=None, help=f"comma-separated, of {','.join(GLUE_DIRS)} (default: the recipe's)")
     p.add_argument("--objectives", default=None, help="comma-separated, for every task (default: the recipe's)")
@@ -431,12 +434,57 @@ def length_lines(args: argparse.Namespace, lengths: tuple[int, ...] = (64, 128, 
     return lines
 
 
+# ------------------------------------------------------------------------------------ the claims study
+
+def claim_setting(args: argparse.Namespace, task: str, objective: str, out: Path, known: dict) -> dict:
+    """The arm's setting: the GLUE study's choice for (task, objective), else this recipe's grid on dev."""
+    if (task, objective) in known:
+        return known[(task, objective)]
+    points = grid(args, objective)
+    kdrun_multirun([*common_overrides(args, task), f"objective={objective}",
+                    *(f"{k}={v}" for k, v in points.items()), f"seed={args.grid_seed}"],
+                   out / "grid" / task / objective, args.dry_run)
+    chosen = None if args.dry_run else choose(out / "grid" / task / objective, list(points))
+    known[(task, objective)] = chosen["setting"] if chosen else {k: v.split(",")[0] for k, v in points.items()}
+    return known[(task, objective)]
+
+
+def run_claims(args: argparse.Namespace, out: Path) -> int:
+    """Every arm of every claim (kdrun/report/claims_plan.py), one kdrun multirun over the seeds each,
+    claim by claim; then the claims table (kdrun/report/claims.py)."""
+    from kdrun.report import claims, claims_plan
+
+    known = claims_plan.chosen_settings(GLUE_CPU_RUNS)
+    reused = set(known)
+    current = None
+    for claim, task, name in claims_plan.steps(args.tasks.split(",")):
+        if claim != current:
+            print(f"# claim: {claim}", flush=True)
+            current = claim
+        arm = claims_plan.ARMS[name]
+        setting = claim_setting(args, task, arm.base, out, known)
+        if (task, arm.base) in reused:
+            print(f"# {task} {name}: the setting the glue_cpu study chose for {arm.base} "
+                  f"(docs/data/glue_cpu_runs.csv)", flush=True)
+        overrides = claims_plan.merge_overrides(common_overrides(args, task), [f"objective={arm.objective}"],
+                                                [f"{k}={v}" for k, v in setting.items()], arm.overrides)
+        kdrun_multirun([*overrides, f"seed={args.seeds}"], out / "seeds" / task / name, args.dry_run)
+    grids = {k: len(args.grid_lr.split(",")) for k in set(known) - reused}
+    print(claims_plan.cost_line(args.tasks.split(","), len(args.seeds.split(",")), grids), flush=True)
+    if not args.dry_run:
+        docs = REPO / "docs" / "claims.md"
+        print(claims.write_report(out, GLUE_CPU_RUNS, docs, REPO / "docs" / "data" / "claims_runs.csv"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.measure_lengths:
         print("\n".join(length_lines(args)), flush=True)
         return 0
     out = Path(args.out)
+    if args.recipe == "claims":
+        return run_claims(args, out)
     t0 = time.time()
     chosen = run_all(args, out)
     report = ["kdrun-report", str(out / "seeds"), "--out", str(out / "report"),

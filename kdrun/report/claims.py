@@ -1,0 +1,295 @@
+"""The claims study: each testable statement of the CKD, MGSKD, ALP-KD and TinyBERT-study papers as
+kdrun arms (an objective and overrides on ``experiment=glue_cpu``), and the analysis that turns
+finished runs into the claims table.
+
+A row compares two sides paired by seed: ``a`` against ``b``, where a side is an arm or the
+difference of two arms (``x-y``, per seed). ``expect`` is ``>`` (the paper finds a above b), ``=``
+(the paper finds no difference) or ``weights`` (a learnable map's final weights agree). Per row:
+the mean ± sd of the paired differences (dev score x100), the exact two-sided sign-flip test and the
+paired t-test (kdrun.report.significance, as kdrun-report), the minimal detectable effect
+MDE = (t_{1-α/2, n-1} + t_{0.8, n-1}) · sd / √n (α = 0.05, power 0.8), and a verdict.
+
+Runs are read from ``OUT/seeds/<task>/<arm>`` (the recipe's multiruns); rows whose source is
+``glue_cpu`` read the GLUE study's seed runs from docs/data/glue_cpu_runs.csv instead.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from kdrun.report.claims_plan import ARMS, CLAIMS, NOT_TESTABLE, Claim, Row, glue_cpu_seed_rows, steps
+from kdrun.report.results import RunRecord, collect
+from kdrun.report.significance import min_detectable_effect, paired_t_p, sign_flip_p
+
+MIN_SEEDS = 6
+ALPHA = 0.05
+SAME_WEIGHTS = 0.05  # "the same values": final weights of the two initialisations within this, every seed
+START, END = "<!-- claims table: start -->", "<!-- claims table: end -->"
+
+__all__ = ["ARMS", "CLAIMS", "Claim", "Row", "Stats", "load_arms", "glue_cpu_values", "row_stats", "verdict",
+           "table_rows", "markdown_table", "arms_table", "not_testable_table", "replace_between_markers",
+           "runs_csv", "final_map_weights"]
+
+
+# ------------------------------------------------------------------------------------- reading runs
+
+def load_arms(out: Path) -> dict[tuple[str, str], dict[int, RunRecord]]:
+    """{(task, arm): {seed: run}} from ``out/seeds/<task>/<arm>`` (the latest run of a seed wins)."""
+    found: dict[tuple[str, str], dict[int, RunRecord]] = {}
+    seeds = out / "seeds"
+    if not seeds.exists():
+        return found
+    for arm_dir in sorted(p for p in seeds.glob("*/*") if p.is_dir()):
+        runs, _ = collect([arm_dir])
+        if runs:
+            found[(arm_dir.parent.name, arm_dir.name)] = {r.seed: r for r in runs}
+    return found
+
+
+def glue_cpu_values(csv_path: Path) -> dict[tuple[str, str], dict[int, float]]:
+    """{(task, objective): {seed: dev x100}} of the GLUE study's seed runs (its runs.csv)."""
+    out: dict[tuple[str, str], dict[int, float]] = {}
+    for r in glue_cpu_seed_rows(csv_path):
+        out.setdefault((r["task"], r["objective"]), {})[int(r["seed"])] = float(r["dev"])
+    return out
+
+
+def values_of(runs: dict[tuple[str, str], dict[int, RunRecord]]) -> dict[tuple[str, str], dict[int, float]]:
+    return {k: {s: 100.0 * r.value for s, r in v.items()} for k, v in runs.items()}
+
+
+def side(values: dict[tuple[str, str], dict[int, float]], task: str, spec: str) -> dict[int, float]:
+    """{seed: value} of an arm, or of ``x-y`` (arm x minus arm y on the seeds both have)."""
+    if "-" not in spec:
+        return values.get((task, spec), {})
+    x, y = (values.get((task, name), {}) for name in spec.split("-"))
+    return {s: x[s] - y[s] for s in sorted(set(x) & set(y))}
+
+
+# ------------------------------------------------------------------------------------- statistics
+
+@dataclass
+class Stats:
+    n: int
+    mean: float | None = None
+    sd: float | None = None
+    p_flip: float | None = None
+    p_t: float | None = None
+    mde: float | None = None
+
+
+def row_stats(a: dict[int, float], b: dict[int, float]) -> Stats:
+    """The paired differences a - b over the seeds both sides have."""
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return Stats(0)
+    xa, xb = [a[s] for s in seeds], [b[s] for s in seeds]
+    d = [x - y for x, y in zip(xa, xb)]
+    sd = statistics.stdev(d) if len(d) > 1 else None
+    return Stats(len(d), statistics.fmean(d), sd, sign_flip_p(d)[0], paired_t_p(xa, xb),
+                 None if sd is None else min_detectable_effect(len(d), sd))
+
+
+def _f(x: float | None, fmt: str = ".2f") -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def verdict(row: Row, st: Stats, task: str = "", why: str = "") -> str:
+    """reproduced / not reproduced (and the measured reason) / not run yet, from the row's stats."""
+    if st.n < MIN_SEEDS:
+        return "not run yet" if st.n == 0 else f"not run yet ({st.n} of {MIN_SEEDS} seeds)"
+    sig = sum(p is not None and p < ALPHA for p in (st.p_flip, st.p_t))
+    if row.expect == "=":
+        if sig == 0:
+            return f"reproduced: no difference detected (MDE {_f(st.mde)})"
+        return f"not reproduced: they differ by {st.mean:+.2f} ({sig} of 2 tests)"
+    if st.mean > 0 and sig == 2:
+        return "reproduced"
+    if sig == 2:
+        return f"not reproduced: reversed ({st.mean:+.2f}, both tests)"
+    if sig == 1:
+        return f"not reproduced: {'in' if st.mean > 0 else 'reversed in'} one of two tests only"
+    return "not reproduced: " + _reason(row.delta_for(task), st, why)
+
+
+def _reason(delta: float | None, st: Stats, why: str) -> str:
+    """Why a difference was not detected: power (the paper's effect below the MDE) or otherwise."""
+    if delta is not None and st.mde is not None and abs(delta) < st.mde:
+        return f"power (the paper's {delta:+.1f} is below the MDE {st.mde:.2f})"
+    base = f"no difference above the MDE {_f(st.mde)}"
+    if delta is not None:
+        base += f", which the paper's {delta:+.1f} exceeds"
+    return base + (f"; {why}" if why else "")
+
+
+# --------------------------------------------------------------------------- learnable map weights
+
+def final_map_weights(run_dir: Path) -> dict[str, float]:
+    """The last logged weight of each learnable-map entry (``objective/map*/s<j>/t<k>``) of a run."""
+    path = run_dir / "metrics.jsonl"
+    last: dict[str, float] = {}
+    if not path.exists():
+        return last
+    for line in path.read_text().splitlines():
+        for k, v in json.loads(line).items():
+            if k.startswith("objective/map") and "/s" in k and isinstance(v, (int, float)):
+                last[k.split("/", 1)[1]] = float(v)
+    return last
+
+
+def weights_row(runs: dict[tuple[str, str], dict[int, RunRecord]], task: str, row: Row) -> tuple[str, str]:
+    """(measured, verdict) of a ``weights`` row: per seed the largest gap between the two arms' final
+    weights; reproduced when every seed's gap is below SAME_WEIGHTS."""
+    a, b = runs.get((task, row.a), {}), runs.get((task, row.b), {})
+    gaps = []
+    for s in sorted(set(a) & set(b)):
+        wa, wb = final_map_weights(a[s].path), final_map_weights(b[s].path)
+        if wa and set(wa) == set(wb):
+            gaps.append(max(abs(wa[k] - wb[k]) for k in wa))
+    if len(gaps) < MIN_SEEDS:
+        return "—", "not run yet" if not gaps else f"not run yet ({len(gaps)} of {MIN_SEEDS} seeds)"
+    mean, sd = statistics.fmean(gaps), statistics.stdev(gaps)
+    measured = f"largest gap {mean:.3f} ± {sd:.3f} (n={len(gaps)})"
+    if max(gaps) < SAME_WEIGHTS:
+        return measured, f"reproduced: every seed's gap below {SAME_WEIGHTS}"
+    return measured, f"not reproduced: gap up to {max(gaps):.3f} (start {row.delta_for(task) or 0:.3f})"
+
+
+def weights_cell(runs: dict[tuple[str, str], dict[int, RunRecord]], task: str, arm: str) -> str:
+    """The mean final weights of an arm's runs, for the table ('s1/t1 0.42, ...')."""
+    per = [final_map_weights(r.path) for r in runs.get((task, arm), {}).values()]
+    per = [w for w in per if w]
+    if not per:
+        return ""
+    keys = sorted(per[0])
+    return ", ".join(f"{k.split('/', 1)[-1]} {statistics.fmean(w.get(k, 0.0) for w in per):.2f}" for k in keys)
+
+
+# ------------------------------------------------------------------------------------------ table
+
+def _label(spec: str) -> str:
+    return " − ".join(f"`{x}`" for x in spec.split("-"))
+
+
+def table_rows(out: Path, glue_cpu_csv: Path) -> list[dict[str, str]]:
+    """One dict per (claim, task, row): what the paper says, what kdrun measured, and the verdict."""
+    runs = load_arms(out)
+    mine, theirs = values_of(runs), glue_cpu_values(glue_cpu_csv)
+    rows = []
+    for c in CLAIMS:
+        for task in c.tasks:
+            for r in (r for r in c.rows if not r.tasks or task in r.tasks):
+                rows.append(_table_row(c, task, r, runs, theirs if c.source == "glue_cpu" else mine))
+    return rows
+
+
+def _table_row(c: Claim, task: str, r: Row, runs, values) -> dict[str, str]:
+    base = {"claim": c.key, "paper": c.paper, "task": task, "a": r.a, "b": r.b, "expect": r.expect,
+            "paper_numbers": r.paper, "source": c.source}
+    if r.expect == "weights":
+        measured, v = weights_row(runs, task, r)
+        detail = "; ".join(f"{arm}: {weights_cell(runs, task, arm) or '—'}" for arm in (r.a, r.b))
+        return {**base, "n": "", "mean": "", "sd": "", "p_flip": "", "p_t": "", "mde": "",
+                "measured": f"{measured}; {detail}", "verdict": v}
+    st = row_stats(side(values, task, r.a), side(values, task, r.b))
+    measured = "—" if st.n == 0 else f"{st.mean:+.2f} ± {_f(st.sd)} (n={st.n})"
+    return {**base, "n": str(st.n), "mean": _f(st.mean), "sd": _f(st.sd), "p_flip": _f(st.p_flip, ".3g"),
+            "p_t": _f(st.p_t, ".3g"), "mde": _f(st.mde), "measured": measured, "verdict": verdict(r, st, task, c.why)}
+
+
+def markdown_table(rows: list[dict[str, str]]) -> str:
+    head = ("| claim | task | comparison | paper | kdrun: difference (mean ± sd, n) | p sign-flip | p t-test "
+            "| MDE | verdict | source |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        cmp = f"{_label(r['a'])} {r['expect'] if r['expect'] != 'weights' else 'same weights as'} {_label(r['b'])}"
+        src = "glue_cpu study" if r["source"] == "glue_cpu" else "claims recipe"
+        lines.append(f"| {r['claim']} | {r['task']} | {cmp} | {r['paper_numbers']} | {r['measured']} | "
+                     f"{r['p_flip'] or '—'} | {r['p_t'] or '—'} | {r['mde'] or '—'} | {r['verdict']} | {src} |")
+    return "\n".join(lines)
+
+
+def arms_table(tasks: tuple[str, ...] = ("cola", "sst2", "stsb")) -> str:
+    """Every arm the recipe runs: its objective, overrides and tasks (``experiment=glue_cpu``)."""
+    on: dict[str, list[str]] = {}
+    for _, task, arm in steps(list(tasks)):
+        on.setdefault(arm, []).append(task)
+    lines = ["| arm | objective | overrides | learning rate of | tasks |", "|---|---|---|---|---|"]
+    for name, ts in on.items():
+        a = ARMS[name]
+        lines.append(f"| `{name}` | `{a.objective}` | {' '.join(f'`{o}`' for o in a.overrides) or '—'} | "
+                     f"`{a.base}` | {', '.join(ts)} |")
+    return "\n".join(lines)
+
+
+def not_testable_table() -> str:
+    lines = ["| paper | claim | why not testable offline |", "|---|---|---|"]
+    lines += [f"| {paper} | {claim} | {why} |" for paper, claim, why in NOT_TESTABLE]
+    return "\n".join(lines)
+
+
+def replace_between_markers(text: str, block: str) -> str:
+    """``text`` with what lies between START and END replaced by ``block`` (markers appended if absent)."""
+    if START not in text or END not in text:
+        return f"{text.rstrip()}\n\n{START}\n{block}\n{END}\n"
+    head, rest = text.split(START, 1)
+    return f"{head}{START}\n{block}\n{END}{rest.split(END, 1)[1]}"
+
+
+def runs_csv(out: Path) -> str:
+    """Every finished run of the recipe: task, arm, its overrides, seed, setting, dev score, seconds,
+    and a learnable map's final weights."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["task", "arm", "objective", "overrides", "seed", "lr", "lambda_ckd", "metric", "dev", "device",
+                "precision", "run_seconds", "map_weights"])
+    for (task, arm), by_seed in sorted(load_arms(out).items()):
+        spec = ARMS.get(arm)
+        for seed, r in sorted(by_seed.items()):
+            res = json.loads((r.path / "results.json").read_text())
+            weights = final_map_weights(r.path)
+            w.writerow([task, arm, r.objective, " ".join(spec.overrides) if spec else "", seed,
+                        r.flat.get("train.lr"), r.flat.get("objective.params.lambda_ckd", ""), r.metric,
+                        f"{100 * r.value:.2f}", res.get("device", ""), res.get("precision", ""),
+                        round((res.get("timings") or {}).get("total_s", 0.0), 1),
+                        json.dumps(weights, sort_keys=True) if weights else ""])
+    return buf.getvalue()
+
+
+def write_report(out: Path, glue_cpu_csv: Path, docs: Path | None = None, runs_path: Path | None = None) -> str:
+    """The claims table (markdown) into OUT/report, and into ``docs`` between its markers; the CSV of
+    every run into OUT/report and ``runs_path``. Returns the table."""
+    table = markdown_table(table_rows(out, glue_cpu_csv))
+    block = (f"{table}\n\n**The arms** (each on `experiment=glue_cpu`, seeds 1–6):\n\n{arms_table()}\n\n"
+             f"**Not testable offline:**\n\n{not_testable_table()}")
+    text = runs_csv(out)
+    (out / "report").mkdir(parents=True, exist_ok=True)
+    (out / "report" / "claims_table.md").write_text(table + "\n")
+    (out / "report" / "claims_runs.csv").write_text(text)
+    if docs is not None:
+        docs.write_text(replace_between_markers(docs.read_text() if docs.exists() else "", block))
+    if runs_path is not None:
+        runs_path.write_text(text)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="The claims table from the claims recipe's runs")
+    p.add_argument("out", type=Path, help="the recipe's output directory (outputs/claims)")
+    p.add_argument("--glue-cpu-csv", type=Path, default=Path("docs/data/glue_cpu_runs.csv"))
+    p.add_argument("--docs", type=Path, default=None, help="markdown file whose table to replace (docs/claims.md)")
+    p.add_argument("--runs-csv", type=Path, default=None, help="where to write every run (docs/data/claims_runs.csv)")
+    a = p.parse_args(argv)
+    print(write_report(a.out, a.glue_cpu_csv, a.docs, a.runs_csv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

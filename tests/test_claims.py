@@ -1,0 +1,211 @@
+"""The claims study: the recipe's dry run lists every arm of every claim with six seeds, every run
+composes (and passes preflight where the GLUE files are present), and the analysis turns hand-made
+run directories into the differences, p-values, minimal detectable effects and verdicts computed by
+hand below."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from kdrun.report import claims, claims_plan
+from kdrun.report.claims_plan import ARMS, CLAIMS
+from tests.conftest import GLUE, load_script
+
+SEEDS = (1, 2, 3, 4, 5, 6)
+
+
+def _dry_run(capsys, glue: Path) -> dict[tuple[str, str], list[str]]:
+    """{(task, arm): the overrides of its seeds multirun}, and the grid runs under ("grid", ...)."""
+    script = load_script("reproduce_glue")
+    assert script.main(["--glue", str(glue), "--recipe", "claims", "--dry-run"]) == 0
+    runs = {}
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith("$ kdrun -m "):
+            words = line[len("$ kdrun -m "):].split()
+            sweep = Path(next(w for w in words if w.startswith("hydra.sweep.dir=")).split("=", 1)[1])
+            runs[(sweep.parent.parent.name, sweep.parent.name, sweep.name)] = words[:-1]
+    return runs
+
+
+def test_dry_run_lists_every_arm_of_every_claim_with_six_seeds(capsys, tmp_path: Path) -> None:
+    runs = _dry_run(capsys, tmp_path / "glue")
+    seeds = {(task, arm): w for (kind, task, arm), w in runs.items() if kind == "seeds"}
+    for c in (c for c in CLAIMS if c.source == "recipe"):
+        for task in c.tasks:
+            for row in (r for r in c.rows if not r.tasks or task in r.tasks):
+                for arm in row.arms():
+                    words = seeds[(task, arm)]
+                    assert f"objective={ARMS[arm].objective}" in words and "experiment=glue_cpu" in words
+                    seed_list = next(w for w in words if w.startswith("seed=")).split("=")[1].split(",")
+                    assert len(seed_list) >= 6
+                    assert all(o in words for o in ARMS[arm].overrides), (arm, words)
+    # the GLUE study's choices are reused (SST-2 ckd: lr 1e-4, λ 0.1); CoLA's tinybert gets a grid first
+    assert "train.lr=0.0001" in seeds[("sst2", "ckd")] and "objective.params.lambda_ckd=0.1" in seeds[("sst2", "ckd")]
+    assert "objective.params.lambda_ckd=0" in seeds[("sst2", "ckd_no_both")]
+    assert "objective.params.lambda_ckd=0.1" not in seeds[("sst2", "ckd_no_both")]
+    assert "train.lr=1e-4,3e-4" in runs[("grid", "cola", "tinybert")]
+    assert "train.lr=0.0003" in seeds[("stsb", "tb_pred")]  # TinyBERT's prediction stage at tinybert's lr
+
+
+def _expand(words: list[str]) -> list[list[str]]:
+    """The single runs of one multirun's overrides (each swept key's values; the first seed)."""
+    opts = []
+    for w in words:
+        key, _, value = w.partition("=")
+        if key == "seed":
+            opts.append([f"seed={value.split(',')[0]}"])
+        else:
+            opts.append([f"{key}={v}" for v in value.split(",")] if "," in value else [w])
+    return [list(c) for c in itertools.product(*opts)]
+
+
+def test_every_run_of_the_recipe_composes(capsys, tmp_path: Path) -> None:
+    from kdrun.config import compose_each
+
+    glue = GLUE if (GLUE / "CoLA").exists() else tmp_path / "glue"
+    runs = _dry_run(capsys, glue)
+    names = [k for k in runs for _ in _expand(runs[k])]
+    cfgs = compose_each([e for k in runs for e in _expand(runs[k])])
+    by = dict(zip(names, cfgs))
+    assert by[("seeds", "sst2", "ckd_no_both")].objective.params.lambda_ckd == 0
+    assert by[("seeds", "sst2", "alp_skip")].objective.params.mapping == "skip"
+    assert by[("seeds", "stsb", "alp_skip_l2")].student.num_layers == 2
+    assert str(by[("seeds", "cola", "tb_learn_l")].mapping.init.value) == "last"
+    assert by[("seeds", "stsb", "mg_h1")].objective.params.heads == 1
+    assert by[("seeds", "sst2", "ckd_wfull")].objective.params.window_angle is None
+    if glue == GLUE:
+        from kdrun.app.preflight import preflight
+
+        for cfg in cfgs:
+            preflight(cfg)
+
+
+# ------------------------------------------------------------------------------------- the analysis
+
+def _run(root: Path, task: str, arm: str, seed: int, value: float, metric: str = "accuracy") -> Path:
+    job = root / "seeds" / task / arm / str(seed)
+    job.mkdir(parents=True)
+    cfg = {"seed": seed, "task": {"name": task, "main_metric": metric}, "train": {"lr": 3e-4}}
+    (job / "results.json").write_text(json.dumps({
+        "task": task, "objective": ARMS[arm].objective, "student": {"name": "s", "metrics": {"validation": {
+            metric: value / 100}}}, "config": cfg, "device": "cpu", "timings": {"total_s": 12.0}}))
+    return job
+
+
+def _arm(root: Path, task: str, arm: str, values: list[float], metric: str = "accuracy") -> list[Path]:
+    return [_run(root, task, arm, s, v, metric) for s, v in zip(SEEDS, values)]
+
+
+def _rows(out: Path, csv: Path) -> dict[tuple[str, str, str, str], dict[str, str]]:
+    return {(r["claim"], r["task"], r["a"], r["b"]): r for r in claims.table_rows(out, csv)}
+
+
+def test_differences_p_values_and_verdicts_by_hand(tmp_path: Path) -> None:
+    out = tmp_path / "claims"
+    _arm(out, "sst2", "ckd", [80.5, 81.0, 81.5, 81.0, 80.5, 81.5])  # ckd − no_wr: +0.5, +1, +1.5, +1, +0.5, +1.5
+    _arm(out, "sst2", "ckd_no_wr", [80.0] * 6)
+    _arm(out, "sst2", "ckd_no_ltr", [79.5, 82.0, 79.5, 83.0, 80.0, 82.0])  # ckd − no_ltr: +1, −1, +2, −2, ±0.5
+    _arm(out, "sst2", "ckd_no_both", [81.5, 81.5, 83.0, 82.0, 81.0, 83.0])  # ckd − no_both: all −1 or so
+    _arm(out, "stsb", "ckd", [70.0] * 5, "pearson")  # five seeds only
+    _arm(out, "stsb", "ckd_no_wr", [69.0] * 5, "pearson")
+    rows = _rows(out, tmp_path / "absent.csv")
+    key = "CKD: components"
+    r = rows[(key, "sst2", "ckd", "ckd_no_wr")]
+    assert (r["n"], r["mean"], r["sd"]) == ("6", "1.00", "0.45")
+    assert float(r["p_flip"]) == pytest.approx(2 / 64, abs=1e-4)  # every difference positive: 2 of the 2^6 sign flips
+    assert float(r["p_t"]) == pytest.approx(0.002765, abs=1e-5)  # t = 1 / (0.447 / √6) = 5.48, 5 df
+    assert r["mde"] == "0.64"  # (2.571 + 0.920) · 0.447 / √6 = 0.637
+    st = claims.row_stats(dict(zip(SEEDS, [0.5, 1.0, 1.5, 1.0, 0.5, 1.5])), dict.fromkeys(SEEDS, 0.0))
+    assert st.mde == pytest.approx(0.6372, abs=1e-4) and st.sd == pytest.approx(0.4472, abs=1e-4)
+    assert r["verdict"] == "reproduced"
+    r = rows[(key, "sst2", "ckd", "ckd_no_ltr")]
+    assert r["mean"] == "0.00" and float(r["p_flip"]) == 1.0 and r["mde"] == "2.06"  # sd 1.449
+    assert r["verdict"] == "not reproduced: power (the paper's +0.3 is below the MDE 2.06)"
+    r = rows[(key, "sst2", "ckd", "ckd_no_both")]
+    assert r["mean"] == "-1.00" and r["verdict"] == "not reproduced: reversed (-1.00, both tests)"
+    assert rows[(key, "stsb", "ckd", "ckd_no_wr")]["verdict"] == "not run yet (5 of 6 seeds)"
+    assert rows[(key, "stsb", "ckd", "ckd_no_ltr")]["verdict"] == "not run yet"
+    # no_wr − no_both: −1.5, −1.5, −3, −2, −1, −3 (paper: +1.5): reversed in both tests
+    assert rows[(key, "sst2", "ckd_no_wr", "ckd_no_both")]["mean"] == "-2.00"
+
+
+def test_no_difference_rows_and_differences_of_differences(tmp_path: Path) -> None:
+    out = tmp_path / "claims"
+    _arm(out, "sst2", "ckd_w10", [80.0] * 6)
+    _arm(out, "sst2", "ckd_w21", [81.0, 79.0, 80.5, 79.5, 80.2, 79.8])
+    _arm(out, "sst2", "alp", [80.0] * 6)
+    _arm(out, "sst2", "pkd", [79.0] * 6)  # gap at 3 layers: +1
+    _arm(out, "sst2", "alp_l2", [75.0] * 6)
+    _arm(out, "sst2", "pkd_l2", [72.0, 72.5, 71.5, 72.0, 72.5, 71.5])  # gap at 2 layers: +3, +2.5, +3.5, ...
+    rows = _rows(out, tmp_path / "absent.csv")
+    r = rows[("CKD: window", "sst2", "ckd_w21", "ckd_w10")]
+    assert r["mean"] == "0.00" and r["verdict"].startswith("reproduced: no difference detected (MDE ")
+    r = rows[("ALP: smaller students", "sst2", "alp_l2-pkd_l2", "alp-pkd")]
+    assert (r["n"], r["mean"]) == ("6", "2.00") and float(r["p_flip"]) == pytest.approx(2 / 64, abs=1e-4)
+    assert r["verdict"] == "reproduced"
+
+
+def test_glue_cpu_rows_read_the_study_csv(tmp_path: Path) -> None:
+    csv = tmp_path / "glue_cpu_runs.csv"
+    lines = ["phase,task,objective,seed,lr,lambda_ckd,metric,dev,teacher_dev,device,precision,run_seconds"]
+    lines += [f"seeds,stsb,ckd,{s},0.0003,0.1,pearson,{77 + s},86.9,cuda,bf16,7" for s in SEEDS]
+    lines += [f"seeds,stsb,logit,{s},0.0003,,pearson,{75 + s % 2},86.9,cuda,bf16,7" for s in SEEDS]
+    lines += ["grid,stsb,logit,0,0.0001,,pearson,60,86.9,cuda,bf16,7"]
+    csv.write_text("\n".join(lines) + "\n")
+    r = _rows(tmp_path / "none", csv)[("CKD: beats KD and layer matching", "stsb", "ckd", "logit")]
+    # ckd − logit per seed: 1+2, 2+2−1... = 77+s − (75 + s%2): 2, 4, 4, 6, 6, 8
+    assert (r["n"], r["mean"], r["source"]) == ("6", "5.00", "glue_cpu") and r["verdict"] == "reproduced"
+    assert claims_plan.chosen_settings(csv)[("stsb", "ckd")] == {"train.lr": "0.0003",
+                                                                 "objective.params.lambda_ckd": "0.1"}
+    assert claims_plan.chosen_settings(csv)[("stsb", "logit")] == {"train.lr": "0.0003"}
+
+
+def _weights(job: Path, w: float) -> None:
+    rows = [{"step": 10, "objective/map/s1/t1": 0.5, "objective/map/s1/t2": 0.5},
+            {"step": 189, "objective/map/s1/t1": w, "objective/map/s1/t2": 1 - w}]
+    (job / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def test_learnt_weights_agree_or_not(tmp_path: Path) -> None:
+    out = tmp_path / "claims"
+    for task, far in (("cola", 0.0), ("stsb", 0.3)):
+        for job in _arm(out, task, "tb_learn_u", [30.0] * 6, "matthews_correlation"):
+            _weights(job, 0.30)
+        for i, job in enumerate(_arm(out, task, "tb_learn_l", [30.0] * 6, "matthews_correlation")):
+            _weights(job, 0.31 + (far if i == 2 else 0.0))
+    rows = _rows(out, tmp_path / "absent.csv")
+    r = rows[("TinyBERT study: learnt weights", "cola", "tb_learn_u", "tb_learn_l")]
+    assert r["verdict"] == "reproduced: every seed's gap below 0.05"
+    assert "largest gap 0.010 ± 0.000 (n=6)" in r["measured"] and "s1/t1 0.30, s1/t2 0.70" in r["measured"]
+    r = rows[("TinyBERT study: learnt weights", "stsb", "tb_learn_u", "tb_learn_l")]
+    assert r["verdict"] == "not reproduced: gap up to 0.310 (start 0.381)"
+    assert json.loads(claims.runs_csv(out).splitlines()[1].split(",", 12)[-1].strip('"').replace('""', '"'))
+
+
+def test_the_docs_table_is_replaced_between_its_markers(tmp_path: Path) -> None:
+    out = tmp_path / "claims"
+    _arm(out, "sst2", "ckd", [80.5, 81.0, 81.5, 81.0, 80.5, 81.5])
+    _arm(out, "sst2", "ckd_no_wr", [80.0] * 6)
+    docs = tmp_path / "claims.md"
+    docs.write_text(f"# Claims\n\nbefore\n\n{claims.START}\nold table\n{claims.END}\n\nafter\n")
+    runs = tmp_path / "runs.csv"
+    claims.write_report(out, tmp_path / "absent.csv", docs, runs)
+    text = docs.read_text()
+    assert "old table" not in text and text.startswith("# Claims\n\nbefore") and text.endswith("after\n")
+    assert "| CKD: components | sst2 | `ckd` > `ckd_no_wr` |" in text and "| reproduced | claims recipe |" in text
+    assert len(runs.read_text().splitlines()) == 13  # header and 12 runs
+
+
+def test_cpu_estimate_and_order() -> None:
+    assert claims_plan.run_cpu_seconds("sst2", ARMS["ckd"]) == pytest.approx(189 * 0.9 * 0.25 * 1.47)
+    assert claims_plan.run_cpu_seconds("stsb", ARMS["mg"]) == pytest.approx(189 * 0.9 * 0.5 * 2.72)
+    assert claims_plan.run_cpu_seconds("cola", ARMS["tb_half"]) == pytest.approx(96 * 0.9 * 0.2 * 2.43)
+    steps = claims_plan.steps(["cola", "sst2", "stsb"])
+    assert len(set(steps)) == len(steps) == len({(t, a) for _, t, a in steps})
+    order = [c for c, _, _ in steps]
+    assert order == sorted(order, key=[c.key for c in CLAIMS].index)  # one claim at a time
+    assert claims_plan.merge_overrides(["a=1", "b=2"], ["a=3"]) == ["a=3", "b=2"]
