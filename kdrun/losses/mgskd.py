@@ -70,7 +70,7 @@ def split_heads(x: torch.Tensor, m: int) -> torch.Tensor:
 
 def pair_interactions(x: torch.Tensor, m: int) -> torch.Tensor:
     """(B, n, d) -> (B, m, n, n) scaled dot products ``<r_i^h, r_j^h> / sqrt(d/m)``."""
-    h = split_heads(x, m)
+    h = split_heads(x, m).contiguous()  # one copy for both operands
     return (h @ h.transpose(-1, -2)) / math.sqrt(x.shape[-1] // m)
 
 
@@ -102,16 +102,16 @@ def _pair_mse(y: torch.Tensor, ds: int, mask: torch.Tensor, m: int) -> torch.Ten
     return (per_layer / (n @ n).clamp_min(1)).sum().to(dt)
 
 
-def salient_selection(pt: torch.Tensor, mask: torch.Tensor, k1: int, k2: int
+def salient_selection(pt: torch.Tensor, mask: torch.Tensor, k1: int, k2: int, pad: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The two-step selection on the teacher's interactions ``pt`` (..., B, m, n, n), mask (B, n);
     leading dims (stacked layers) share the mask.
 
     Returns vertices (..., B, K1) token indices, neighbours (..., B, K1, K2) token indices and their
     validity (..., B, K1, K2) bool (False where an example has fewer valid points than k1 / k2 + 1),
-    with K1 = min(k1, n), K2 = min(k2, n - 1).
+    with K1 = min(k1, n), K2 = min(k2, n - 1); ``pad``: ``~mask`` when the caller has it.
     """
-    n, pad = pt.shape[-1], ~mask
+    n, pad = pt.shape[-1], ~mask if pad is None else pad
     a = torch.softmax(pt.masked_fill(pad[:, None, None, :], _NEG), dim=-1)
     heads_sum = a.sum(-3)  # (..., B, n, n): attention query i pays to j, summed over heads
     heads_sum.mul_(mask[:, :, None])  # queries that are padding give nothing
@@ -142,22 +142,23 @@ def _structure(y: torch.Tensor, ds: int, mask: torch.Tensor, *, heads: int, pair
     masking and centring run once for both."""
     zero = y.sum() * 0.0 if not (pair and angle) else None  # keeps the graph when a part is off or empty
     lp = la = zero
-    y = y.masked_fill(~mask[..., None], 0.0)
+    pad = ~mask
+    y = y.masked_fill(pad[..., None], 0.0)
     if pair:
         lp = _pair_mse(y, ds, mask, heads)
     if angle and y.shape[-2] >= 2:
-        la = _salient_angles(y, ds, mask, heads, k1, k2, huber_beta)
+        la = _salient_angles(y, ds, mask, pad, heads, k1, k2, huber_beta)
     elif angle:
         la = y.sum() * 0.0
     return lp, la
 
 
-def _salient_angles(y: torch.Tensor, ds: int, mask: torch.Tensor, heads: int, k1: int, k2: int,
+def _salient_angles(y: torch.Tensor, ds: int, mask: torch.Tensor, pad: torch.Tensor, heads: int, k1: int, k2: int,
                     beta: float) -> torch.Tensor:
     """Angle Huber of the salient triples (selected on the teacher) of ``y`` (padding zeroed)."""
     layers = math.prod(y.shape[:-3])
     with torch.no_grad():
-        vert, nb, valid = salient_selection(pair_interactions(y[..., ds:], heads), mask, k1, k2)
+        vert, nb, valid = salient_selection(pair_interactions(y[..., ds:], heads), mask, k1, k2, pad)
     yc = y - y.sum(-2, keepdim=True) / valid_points(mask)  # padding is never read: no triple holds it
     gs = gram(yc[..., :ds])
     with torch.no_grad():
