@@ -3,9 +3,8 @@
 On a GPU a step of these models is bound by kernel launches, so the relation objectives should
 dispatch few more ops than logit KD: every objective's eager step at the papers' shape (a
 BERT-base-shaped teacher 12x768, a 4x312 student, batches of 32x128) stays within GOAL x logit's
-count (MGSKD: within what it reaches, MGSKD_REACHED), and no objective's count rises more than 10 %
-above the RECORDED table. The layer-pair terms stack their layers, so their op count does not grow
-with the number of layer pairs.
+count, and no objective's count rises more than 10 % above the RECORDED table. The layer-pair
+terms stack their layers, so their op count does not grow with the number of layer pairs.
 """
 
 from __future__ import annotations
@@ -16,10 +15,9 @@ import torch
 from kdrun.runtime.ops import METADATA, OpCounter, is_metadata
 
 GOAL = 2.0
-MGSKD_REACHED = 2.2  # MGSKD's three levels reach 2.13x logit, above the 2.0x goal
 # Ops per step at the papers' shape (python scripts/count_ops.py; angle kernel chunked as on a GPU).
-RECORDED = {"finetune": 239, "logit": 462, "minilm": 514, "tinybert": 626, "mgskd": 986, "ckd": 875,
-            "ckd_official": 879}
+RECORDED = {"finetune": 239, "logit": 462, "minilm": 514, "tinybert": 626, "mgskd": 809, "ckd": 861,
+            "ckd_official": 865}
 BEFORE = {"finetune": 239, "logit": 462, "minilm": 514, "tinybert": 678, "mgskd": 1955, "ckd": 2048,
           "ckd_official": 2092}  # the same count before the layer pairs were stacked
 
@@ -111,8 +109,7 @@ def papers_shape_ops() -> dict[str, int]:
 def test_step_ops_of_every_objective_within_twice_logit(papers_shape_ops) -> None:
     logit = papers_shape_ops["logit"]
     for name, count in papers_shape_ops.items():
-        bound = MGSKD_REACHED if name == "mgskd" else GOAL
-        assert count <= bound * logit, f"{name}: {count} ops = {count / logit:.2f}x logit's {logit} (> {bound}x)"
+        assert count <= GOAL * logit, f"{name}: {count} ops = {count / logit:.2f}x logit's {logit} (> {GOAL}x)"
     # the stacking is what brings the relation objectives there: before it, CKD and MGSKD were above 4x
     assert all(BEFORE[n] > 4 * BEFORE["logit"] for n in ("ckd", "mgskd", "ckd_official"))
 

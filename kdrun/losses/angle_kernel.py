@@ -2,7 +2,9 @@
 swept in chunks of (point set, vertex) with the gradient fused into the forward pass.
 
 :func:`kdrun.losses.relations.angle_loss` prepares the Gram matrices and per-vertex pieces of both
-sides and calls :class:`AngleLoss`; nothing of size n^3 (or n w^2) outlives a chunk.
+sides and calls :class:`AngleLoss`; nothing of size n^3 (or n w^2) outlives a chunk. MGSKD's
+salient triples (chosen vertices, each with its chosen neighbours) go through
+:class:`SalientAngleLoss`, which reads the Gram entries it needs in one gather.
 """
 
 from __future__ import annotations

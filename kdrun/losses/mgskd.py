@@ -21,7 +21,8 @@ Relations:
 - pair-wise interactions over ``heads`` (m) relation heads: each d-vector is split into m
   sub-vectors of d/m, ``P^h_ij = <r_i^h, r_j^h> / sqrt(d/m)``; MSE over all valid (h, i, j),
   the diagonal included (a vector's interaction with itself is its scaled squared norm),
-  computed from the heads' small d/m × d/m Gram matrices (never the (B, m, n, n) tensors);
+  computed from each head's small Gram matrix of both sides' sub-vectors side by side (never the
+  (B, m, n, n) tensors);
 - triplet angles, one head (the whole vector), ``cos ∠ r_a r_v r_b`` at vertex v, from the Gram
   matrix of the centred points (:mod:`kdrun.losses.relations`' identities, never (n, n, d)
   difference tensors). Tokens and spans use the two-step salient selection, made on the teacher
@@ -29,7 +30,8 @@ Relations:
   ``s_j = Σ_h Σ_i A^h_ij`` (valid i); for each vertex v its top-k2 neighbours by ``Σ_h A^h_vj``
   (j ≠ v). Angles between every ordered pair (a, b) of a vertex's neighbours (a = b included: cos 1
   on both sides, error 0 — the convention of :mod:`kdrun.losses.relations`); Huber (smooth L1,
-  ``huber_beta``) averaged over valid triples. Samples: all triples of the batch (k1 = k2 = batch
+  ``huber_beta``) averaged over valid triples (:class:`kdrun.losses.angle_kernel.SalientAngleLoss`, its
+  gradient computed in the forward pass). Samples: all triples of the batch (k1 = k2 = batch
   size, as in the paper) in each of the m heads;
 - relation heads need the width divisible by m. A student whose width is not (TinyBERT's 312 with
   m = 64) is projected to the teacher's width by a learned linear map (``project=auto``; ``always``
