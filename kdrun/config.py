@@ -433,10 +433,17 @@ class TrainConfig:
     # Several processes (DDP): search for parameters without gradients every step. null = only in
     # stages whose loss can leave some unused (no term reads the task logits, or DynaBERT sub-networks).
     find_unused_parameters: Optional[bool] = None
-    # torch.compile the student and the teacher (kdrun's feature hooks stay registered);
-    # compile_backend: a torch.compile backend (inductor needs a C++ compiler).
+    # Compile each training step's forward region -- the student's forward, the live teacher's and
+    # the objective's loss -- as one torch.compile graph (kdrun/engine/compiled.py); compile_backend:
+    # a torch.compile backend (inductor needs a C++ compiler).
     compile: bool = False
     compile_backend: str = "inductor"
+    # CUDA only: replay the compiled region through CUDA graphs (torch.compile's reduce-overhead
+    # mode; implies compile; not under fp16, whose loss scaler reads the gradients on the host).
+    cuda_graphs: bool = False
+    # Batch widths rounded up to a multiple of this (at most task.max_seq_length): auto = 32 under
+    # compile (a graph per width), else 0 (each batch padded to its longest row).
+    pad_to_multiple_of: Any = "auto"
     # Testing aid: stop (as if killed) after this many optimizer steps of the run, leaving the
     # checkpoints for a resume.
     stop_after_steps: Optional[int] = None

@@ -1,20 +1,94 @@
-"""train.compile: the student and teacher run under torch.compile with kdrun's feature hooks (Q/K/V
-capture) registered once and left in place, and train exactly as uncompiled (the ``eager`` backend
-keeps the arithmetic; inductor needs a C++ compiler and is the default for users)."""
+"""train.compile: each training step's forward region -- the student's forward, the live teacher's and
+the objective's loss (kdrun.engine.compiled.forward_loss) -- runs as one torch.compile graph: no graph
+break for any objective family, one compilation per batch width (train.pad_to_multiple_of), and the
+same numbers as eager. kdrun's feature hooks (Q/K/V capture) are registered once, before tracing.
+The ``eager`` / ``aot_eager`` backends keep the arithmetic; inductor needs a C++ compiler and is the
+default for users (its figures: scripts/bench_compile.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
+
+from kdrun.app.doctor_steps import (
+    TINY_STUDENT,
+    TINY_TEACHER,
+    EngineStep,
+    compose_objectives,
+    fixed_batch,
+    objective_models,
+)
+from kdrun.engine.compiled import StepForward, step_mode
+from kdrun.errors import ConfigError
+from kdrun.tasks.data.batches import bucket_width, resolve_pad_multiple
+
+# every family of loss terms: logits, hidden states (pkd, alp, distilbert), attention (minilm,
+# tinybert), Q/K/V relations (minilmv2), CKD's and MGSKD's relations, GradNorm's balancing
+FAMILIES = ["finetune", "logit", "pkd", "alp", "distilbert", "minilm", "minilmv2", "tinybert",
+            "tinybert_official", "ckd", "ckd_official", "ckd_gradnorm", "mgskd", "comb"]
+
+
+@pytest.fixture(scope="module")
+def objectives():
+    return compose_objectives(FAMILIES)
+
+
+def engine_step(cfg, mode: str, backend: str = "eager", stage: int = 0) -> EngineStep:
+    plans, models = objective_models(cfg, TINY_TEACHER, TINY_STUDENT)
+    step = EngineStep(models, plans[stage], "no", "cpu", cfg.train, Path("."), record_grads=False)
+    step.loop.forward = StepForward(step.parts, plans[stage], mode, backend)
+    return step
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_step_region_compiles_without_a_graph_break(objectives, name: str) -> None:
+    torch._dynamo.reset()
+    step = engine_step(objectives[name], "compiled")
+    forward = step.loop.forward
+    explained = torch._dynamo.explain(forward._region)(fixed_batch(4, 16, 100), None)
+    reasons = [str(b.reason).splitlines()[0] for b in explained.break_reasons]
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, reasons
+
+
+def test_one_compilation_per_width_and_the_same_losses_as_eager(objectives) -> None:
+    """Ragged batches over three widths (and an epoch's short last batch, run eagerly): three graphs,
+    reused when a width comes back; losses and updated weights equal to the eager step's."""
+    torch._dynamo.reset()
+    shapes = [(8, 16), (8, 32), (8, 16), (8, 48), (8, 32), (3, 32), (8, 48)]
+    runs = {}
+    for mode in ("eager", "compiled"):
+        step = engine_step(objectives["ckd"], mode, backend="aot_eager")
+        torch.manual_seed(0)
+        losses = [float(step(fixed_batch(b, n, 100, seed=i))) for i, (b, n) in enumerate(shapes)]
+        runs[mode] = (losses, step.parts.student.state_dict(), step.loop.forward.compilations)
+    (eager, w_eager, none), (compiled, w_compiled, graphs) = runs["eager"], runs["compiled"]
+    assert none == 0 and graphs == 3
+    assert compiled == pytest.approx(eager, rel=1e-6, abs=1e-7)
+    assert all(torch.allclose(w_eager[k], w_compiled[k], atol=1e-6) for k in w_eager)
+
+
+def test_objectives_compiled_one_after_another_keep_their_own_hooks(objectives) -> None:
+    """A relation objective's compiled step, then TinyBERT's (Q/K scores from hooks) and MiniLM's in
+    the same process: each region traces its own models' hooks and equals its eager step."""
+    torch._dynamo.reset()
+    for name in ("ckd", "tinybert", "minilm", "mgskd"):
+        losses = []
+        for mode in ("eager", "compiled"):
+            step = engine_step(objectives[name], mode)
+            torch.manual_seed(0)
+            losses.append([float(step(fixed_batch(4, 16, 100, seed=s))) for s in range(2)])
+        assert losses[1] == pytest.approx(losses[0], rel=1e-6), name
 
 
 def test_compiled_run_equals_uncompiled(run_cfg, tmp_path: Path) -> None:
     from kdrun.app.run import run
 
-    args = ("objective=minilmv2", "objective.params.relation_heads=4", "student.dropout=0.0", "train.epochs=1")
+    args = ("objective=minilmv2", "objective.params.relation_heads=4", "student.dropout=0.0", "train.epochs=1",
+            "train.pad_to_multiple_of=16")
     plain = run(run_cfg(*args), tmp_path / "plain")
     compiled = run(run_cfg(*args, "train.compile=true", "train.compile_backend=eager"), tmp_path / "compiled")
     assert compiled["student"]["metrics"] == plain["student"]["metrics"]
@@ -23,6 +97,19 @@ def test_compiled_run_equals_uncompiled(run_cfg, tmp_path: Path) -> None:
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
     logs = [json.loads(x) for x in (tmp_path / "compiled" / "metrics.jsonl").read_text().splitlines()]
     assert any("train/minilmv2_qq" in x for x in logs)  # the hooked Q/K/V reached the loss
+    stage = compiled["stages"][0]
+    # the toy task's rows are at most 48 tokens: widths 16, 32 and 48, one graph each at most
+    assert stage["step_mode"] == "compiled" and 1 <= stage["compilations"] <= 3
+    assert "step_mode" not in plain["stages"][0]
+
+
+def test_a_random_layer_map_runs_eagerly_under_compile(run_cfg, tmp_path: Path, caplog) -> None:
+    from kdrun.app.run import run
+
+    res = run(run_cfg("objective=pkd", "mapping=random", "train.epochs=1", "train.compile=true",
+                      "train.compile_backend=eager", "task.toy.num_train=64"), tmp_path / "r")
+    assert "step_mode" not in res["stages"][0]
+    assert "runs eagerly: its layer map redraws its pairs every step" in caplog.text
 
 
 def test_compiled_model_keeps_one_set_of_hooks() -> None:
@@ -38,3 +125,37 @@ def test_compiled_model_keeps_one_set_of_hooks() -> None:
     assert len(q._forward_hooks) == 1
     torch.testing.assert_close(first.qkv().projection("q", 1), second.qkv().projection("q", 1))
     torch.testing.assert_close(first.logits, model(**batch()).logits)
+
+
+# ------------------------------------------------------------------------- widths and settings
+
+def test_bucket_widths() -> None:
+    assert [bucket_width(n, 32) for n in (1, 31, 32, 33, 64, 65)] == [32, 32, 32, 64, 64, 96]
+    assert [bucket_width(n, 32, limit=100) for n in (90, 97, 100)] == [96, 100, 100]
+    assert bucket_width(120, 32, limit=100) == 120  # a longer row than the limit keeps its length
+    assert bucket_width(37, 0) == 37
+    assert resolve_pad_multiple("auto", True) == 32 and resolve_pad_multiple("auto", False) == 0
+    with pytest.raises(ConfigError, match="train.pad_to_multiple_of=-8"):
+        resolve_pad_multiple(-8, True)
+
+
+def test_the_collator_pads_to_the_bucket() -> None:
+    from kdrun.tasks.data.batches import Collator
+
+    rows = [{"input_ids": [5] * n, "attention_mask": [1] * n, "labels": 0, "idx": i} for i, n in enumerate((3, 17))]
+    batch = Collator(0, False, multiple=16, limit=48)(rows)
+    assert batch["input_ids"].shape == (2, 32) and int(batch["attention_mask"].sum()) == 20
+    assert Collator(0, False)(rows)["input_ids"].shape == (2, 17)
+
+
+def test_cuda_graphs_are_refused_off_cuda_and_under_fp16(run_cfg) -> None:
+    from types import SimpleNamespace
+
+    from kdrun.app.preflight import preflight
+
+    with pytest.raises(ConfigError, match=r"train.cuda_graphs=true needs a CUDA device \(this run's is cpu\)"):
+        preflight(run_cfg("train.cuda_graphs=true", "train.device=cpu"))
+    with pytest.raises(ConfigError, match="does not run under fp16"):
+        step_mode(SimpleNamespace(cuda_graphs=True, compile=False), "cuda", "fp16")
+    assert step_mode(SimpleNamespace(cuda_graphs=True, compile=False), "cuda", "bf16") == "graphed"
+    assert step_mode(SimpleNamespace(cuda_graphs=False, compile=True), "cpu", "no") == "compiled"

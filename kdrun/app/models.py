@@ -64,11 +64,12 @@ def load_teacher(session: Session, data: RunData) -> Models:
 
 
 def frozen_teacher(session: Session, teacher):
-    """The teacher as it runs while distilling: cast to ``teacher.dtype`` and compiled when asked.
-    Called after the student is built, so no student ever copies a cast teacher."""
+    """The teacher as it runs while distilling: cast to ``teacher.dtype`` (train.compile compiles
+    the step that runs it, kdrun.engine.compiled). Called after the student is built, so no student
+    ever copies a cast teacher."""
     if teacher is None:
         return None
-    return compiled(session, cast_teacher(teacher, session.cfg.teacher.dtype, session.accelerator.precision))
+    return cast_teacher(teacher, session.cfg.teacher.dtype, session.accelerator.precision)
 
 
 def cast_teacher(teacher, dtype: str, precision):
@@ -84,16 +85,6 @@ def cast_teacher(teacher, dtype: str, precision):
     else:
         raise ConfigError(f"teacher.dtype={dtype!r} is not one of auto, {', '.join(dtypes)}")
     return teacher.to(target)
-
-
-def compiled(session: Session, model):
-    """``model`` under torch.compile when train.compile is set (kdrun's feature hooks are
-    registered on the original modules, so they stay in place)."""
-    if not session.cfg.train.compile:
-        return model
-    import torch
-
-    return torch.compile(model, backend=session.cfg.train.compile_backend)
 
 
 def build_student(session: Session, data: RunData, models: Models) -> Models:
@@ -121,7 +112,6 @@ def build_student(session: Session, data: RunData, models: Models) -> Models:
                                  models.student_info, models.teacher_arch, balance=cfg.objective.balance,
                                  balance_alpha=cfg.objective.balance_alpha)
     # Several processes: the trainer wraps the student in DDP per stage (kdrun.engine.trainer.wrap_for_stage).
-    student = compiled(session, student)
     models.student = acc.prepare_model(student) if acc.num_processes == 1 else student.to(acc.device)
     models.objective.to(acc.device)
     return models

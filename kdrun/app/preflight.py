@@ -48,9 +48,11 @@ def preflight(cfg: DictConfig) -> RunPlan:
     _plan_augmentation(cfg, plans)
     if cfg.resume not in (True, False, "wait"):
         raise ConfigError(f"resume={cfg.resume!r} must be true, false or wait")
-    from kdrun.tasks.data.batches import resolve_num_workers
+    from kdrun.tasks.data.batches import resolve_num_workers, resolve_pad_multiple
 
     resolve_num_workers(cfg.train.num_workers, "cpu")  # names train.num_workers when it is neither auto nor >= 0
+    resolve_pad_multiple(cfg.train.pad_to_multiple_of, cfg.train.compile)  # train.pad_to_multiple_of
+    _check_step_mode(cfg.train)
     # The closed sets of choices (train.device, train.precision, objective.balance, teacher.dtype,
     # student.dtype, teacher.store, teacher.store_dtype, teacher.kind, student.kind, mapping.buckets,
     # mapping.init) are the schema's enums, checked when the config is composed (kdrun.config.Choice).
@@ -76,6 +78,18 @@ def preflight(cfg: DictConfig) -> RunPlan:
     _check_optimizers(cfg, plans, fine_tunes_teacher=fine_tunes)
     refs = _resolve_models(cfg, uses_teacher)
     return RunPlan(plans=plans, refs=refs, uses_teacher=uses_teacher, mapping=mapping, kind=kind)
+
+
+def _check_step_mode(train: Any) -> None:
+    """train.cuda_graphs where it cannot run (no CUDA device, fp16), named before any model loads."""
+    import torch
+
+    from kdrun.engine.compiled import step_mode
+
+    device = str(train.device).split(":")[0]
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    step_mode(train, device, str(train.precision))
 
 
 def _check_weights(plans: list) -> None:

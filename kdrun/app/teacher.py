@@ -118,6 +118,9 @@ TRAIN_REPLACED: dict[str, Callable[[Any], Any]] = {
     "keep_best": lambda ft: ft.keep_best,
     "group_by_length": lambda ft: ft.group_by_length,
     "pad_to_max_length": lambda ft: False,  # batches padded to their longest row (padding is a benchmark knob)
+    "pad_to_multiple_of": lambda ft: 0,  # likewise (widths rounded for a compiled distillation step)
+    "compile": lambda ft: False,  # the distillation's steps compile; the teacher fine-tunes eagerly
+    "cuda_graphs": lambda ft: False,
     "stop_after_steps": lambda ft: None,  # the testing aid stops the student only
     "cache_teacher_logits": lambda ft: False,  # the teacher learns from gold labels: it has no teacher
     "optimizer": lambda ft: ft.optimizer,
@@ -134,8 +137,7 @@ TRAIN_NOT_IN_KEY = {
     "num_threads": "compute threads: they change floating-point summation order only",
     "tf32": "TensorFloat-32 for CUDA matmuls: floating-point rounding only, ignored as the device is",
     "find_unused_parameters": "DDP's search for unused parameters; the teacher fine-tunes on one process",
-    "compile": "compiles the distillation's models; the teacher fine-tunes uncompiled",
-    "compile_backend": "compiles the distillation's models; the teacher fine-tunes uncompiled",
+    "compile_backend": "compiles the distillation's steps; the teacher fine-tunes uncompiled",
     "checkpoint_every_steps": "how often the fine-tuning saves its progress (in the entry's staging directory); "
                               "a resume continues bit for bit, so it cannot change the weights",
 }

@@ -236,6 +236,11 @@ class Objective(nn.Module):
         keys = [self._term_map.get(self._module_key(plan, t)) for t in plan.terms]
         return {k: self.maps[k] for k in dict.fromkeys(keys) if k is not None}
 
+    def step_dependent(self, stage: int) -> bool:
+        """Whether the stage's loss depends on the step number (a ``random`` layer map redraws its
+        pairs every step): a compiled step would compile once per draw."""
+        return any(lmap.strategy == "random" for lmap in self._stage_maps(stage).values())
+
     def stage_parameters(self, stage: int) -> list[nn.Parameter]:
         """Trainable parameters of the stage's term modules and layer maps (each once)."""
         plan = self.plans[stage]

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kdrun.engine.checkpoints import TrainState
+from kdrun.engine.compiled import StepForward
 from kdrun.engine.ddp import _average_objective_grads, _ddp_wrap
 from kdrun.engine.evaluation import LogitTable
 from kdrun.engine.grad_shares import grad_share_logs
@@ -57,17 +58,28 @@ class StageLoop:
     strategy: Any = None
     # Several processes: find the parameters the stage leaves unused on its first batch (ddp_settings).
     probe_unused: bool = False
+    # How PlainStep runs the stage's forward region: eager, compiled or graphed (kdrun.engine.compiled).
+    forward: Any = None
 
 
-def teacher_features(parts: RunParts, loop: StageLoop, batch: dict[str, Any]) -> Features | None:
-    """The frozen teacher's features for ``batch`` (from the stage's logit table when cached);
-    under ``no_grad`` (not inference mode), so they join the student's graph without copies."""
+def stored_teacher(loop: StageLoop, batch: dict[str, Any]) -> Features | None:
+    """The teacher's features read for ``batch`` (the stage's teacher-output store or logit table),
+    or None when the stage runs the teacher live or uses none."""
     if not loop.plan.uses_teacher:
         return None
     if loop.store is not None:
         return loop.store.features(batch, loop.plan.teacher_needs)
     if loop.teacher_table is not None:
         return Features(logits=loop.teacher_table.for_batch(batch), attention_mask=batch["attention_mask"])
+    return None
+
+
+def teacher_features(parts: RunParts, loop: StageLoop, batch: dict[str, Any]) -> Features | None:
+    """The frozen teacher's features for ``batch`` (read when stored, else its forward pass); under
+    ``no_grad`` (not inference mode), so they join the student's graph without copies."""
+    stored = stored_teacher(loop, batch)
+    if stored is not None or not loop.plan.uses_teacher:
+        return stored
     with torch.no_grad(), parts.accelerator.autocast():
         return extract_features(parts.teacher, batch, loop.plan.teacher_needs)
 
@@ -88,14 +100,14 @@ class PlainStep:
     """The default strategy: one forward pass of the student per micro-batch."""
 
     def passes(self, parts: RunParts, loop: StageLoop, batch: dict[str, Any], state: TrainState):
-        """Yield (loss, values) of each forward pass; the engine runs ``backward`` on each loss."""
+        """Yield (loss, values) of each forward pass; the engine runs ``backward`` on each loss.
+        The pass is the stage's region (kdrun.engine.compiled), eager or compiled."""
         acc = parts.accelerator
         logged = acc.sync_gradients and _is_log_step(state.stage_step + 1, loop.log_every, loop.total_steps)
         weighted = {} if loop.share_params and logged else None
-        with acc.autocast():
-            s_feats = extract_features(parts.student, batch, loop.plan.student_needs)
-        t_feats = teacher_features(parts, loop, batch)
-        loss, values = objective_loss(parts, loop, batch, state, s_feats, t_feats, weighted=weighted)
+        forward = getattr(loop, "forward", None) or StepForward(parts, loop.plan)
+        loss, values = forward(batch, stored_teacher(loop, batch), state.global_step, weighted)
+        loop.watch.add(loss, values, state.global_step + 1)
         if weighted:  # logger.grad_shares: a logging step, where host reads are allowed
             with host_section():
                 loop.meter.shares = grad_share_logs(weighted, loop.share_params, acc.precision.loss_scale())

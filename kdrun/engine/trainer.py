@@ -110,6 +110,7 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
     train_data = parts.augmented_data if cfg["data"] == "augmented" else parts.train_data
     if train_data is None:
         raise RuntimeError(f"stage '{plan.name}' trains on augmented data but none was built")
+    from kdrun.engine.compiled import stage_forward
     from kdrun.engine.teacher_store import StoreCollator, open_stage_store
 
     strategy = strategy_of(plan.cfg)  # the stage's strategy, or None for plain steps
@@ -152,7 +153,8 @@ def setup_stage(parts: RunParts, plan: StagePlan, state: TrainState, resume_from
                      num_epochs=math.ceil(total_steps / steps_per_epoch), pbar=pbar, log_every=max(1, parts.log_every),
                      teacher_table=table, store=store, strategy=step or PlainStep(), meter=meter,
                      share_params=[p for p in parts.student.parameters() if p.requires_grad] if measure else None,
-                     probe_unused=probe, watch=FiniteWatch(world_size=parts.world_size))
+                     probe_unused=probe, watch=FiniteWatch(world_size=parts.world_size),
+                     forward=stage_forward(parts, plan, strategy))
 
 
 def _global_counts(parts: RunParts, examples: int, tokens: int) -> tuple[int, int]:
@@ -248,8 +250,12 @@ def finish_stage(parts: RunParts, loop: StageLoop, state: TrainState) -> None:
                 or state.evals[-1]["stage"] != plan.name):
             evaluate_stage(parts, plan, state, "stage_end")
         last = state.evals[-1]
-        state.stage_results.append({"stage": plan.name, "steps": state.stage_step, "metrics": last["metrics"],
-                                    "best_metric": state.best_metric if state.best_stage == plan.index else None})
+        result = {"stage": plan.name, "steps": state.stage_step, "metrics": last["metrics"],
+                  "best_metric": state.best_metric if state.best_stage == plan.index else None}
+        forward = getattr(loop, "forward", None)
+        if forward is not None and forward.mode != "eager":  # the graphs compiled (this process's part of the stage)
+            result.update(step_mode=forward.mode, compilations=forward.compilations)
+        state.stage_results.append(result)
         # The next stage starts fresh; the checkpoint below marks this one as finished.
         state.stage += 1
         state.epoch = state.batch_in_epoch = state.stage_step = 0

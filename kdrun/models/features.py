@@ -7,7 +7,6 @@ Q/K/V projections are computed (or kept) only when some term asks for them.
 
 from __future__ import annotations
 
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -71,7 +70,9 @@ class AttentionInputs:
             x = (self._bias if which == "bias" else self._raw[which])[self._layer(layer)]
             if x is None:
                 return None
-            self._cache[key] = x.clone() if x.is_inference() else x
+            # an inference-mode tensor (a teacher run under inference_mode) is copied to join autograd;
+            # a compiled step runs its teacher under no_grad, and is_inference() cannot be traced
+            self._cache[key] = x.clone() if not torch.compiler.is_compiling() and x.is_inference() else x
         return self._cache[key]
 
     def heads_of(self, which: str, layer: int, heads: int | None = None) -> torch.Tensor:
@@ -238,6 +239,11 @@ class _Capture:
         mlm_head(model).register_forward_pre_hook(gather)
         self.mlm_hooked = True
 
+    def __deepcopy__(self, memo: dict) -> None:
+        """A copied model gets no capture (its copied hooks still write to this one); capture_of
+        gives it its own."""
+        return None
+
     def take(self) -> dict[str, list[Any]]:
         """What the last forward recorded; the store is emptied for the next one."""
         out = {w: list(v) for w, v in self.store.items()}
@@ -246,14 +252,19 @@ class _Capture:
         return out
 
 
-_CAPTURES: weakref.WeakKeyDictionary[nn.Module, _Capture] = weakref.WeakKeyDictionary()
+CAPTURE_ATTR = "_kdrun_capture"
 
 
 def capture_of(model: nn.Module) -> _Capture:
+    """The model's capture, kept as an attribute of the model itself: a compiled step reads it
+    through the model (a process-wide table of models would put every model ever hooked into the
+    step's guards)."""
     base = _base(model)
-    if base not in _CAPTURES:
-        _CAPTURES[base] = _Capture(base)
-    return _CAPTURES[base]
+    cap = base.__dict__.get(CAPTURE_ATTR)
+    if cap is None:
+        cap = _Capture(base)
+        setattr(base, CAPTURE_ATTR, cap)
+    return cap
 
 
 @contextmanager

@@ -38,6 +38,19 @@ def check_labelled_objective(cfg: Any, plans: list[Any]) -> None:
             f"on this task use e.g. objective={twin}")
 
 
+def bucketed(collator: Any, cfg: Any) -> Any:
+    """``collator`` padding batch widths to multiples of ``train.pad_to_multiple_of`` (auto: under a
+    compiled step), up to task.max_seq_length; a collator without widths to round is returned as is."""
+    from kdrun.tasks.data.batches import resolve_pad_multiple
+
+    train = cfg.train
+    multiple = resolve_pad_multiple(train.get("pad_to_multiple_of", "auto"),
+                                    bool(train.get("compile")) or bool(train.get("cuda_graphs")))
+    if multiple and hasattr(collator, "multiple"):
+        collator.multiple, collator.limit = multiple, int(cfg.task.max_seq_length)
+    return collator
+
+
 class LabelledKind(TaskKind):
     """What every labelled kind shares: rows loaded, hashed and tokenised once per run (cached with
     MGSKD's spans), a fine-tuned teacher, gold-label checks of the objective."""
@@ -52,7 +65,7 @@ class LabelledKind(TaskKind):
         data_hash = common.data_fingerprint(raw)
         tokenized = self.tokenize_cached(raw, tokenizer, task, spans, cfg.cache_dir, f"{data_hash}-{tok_hash}")
         return KindData(data_hash, raw, tokenized[task.train_split], {s: tokenized[s] for s in task.eval_splits},
-                        self.collator(tokenizer, task, cfg.train.pad_to_max_length))
+                        bucketed(self.collator(tokenizer, task, cfg.train.pad_to_max_length), cfg))
 
     def tokenize_cached(self, raw: Any, tokenizer: Any, task: Any, spans: Any, cache_dir: str, key: str) -> Any:
         raise NotImplementedError

@@ -253,6 +253,29 @@ def pad_rows(seqs: Sequence[Any], width: int, fill: int, lengths: np.ndarray | N
     return out
 
 
+def bucket_width(longest: int, multiple: int, limit: int | None = None) -> int:
+    """The batch width for a batch whose longest row has ``longest`` tokens: that length rounded up
+    to a multiple of ``multiple`` (0: not rounded), at most ``limit`` (but never below ``longest``)."""
+    if multiple <= 0:
+        return longest
+    width = -(-longest // multiple) * multiple
+    return max(longest, min(width, limit)) if limit else width
+
+
+def resolve_pad_multiple(value: Any, compiled: bool) -> int:
+    """``train.pad_to_multiple_of`` (auto / an integer >= 0) → the multiple batches are padded to:
+    ``auto`` is 32 for a compiled step (a graph per width: at most max_seq_length / 32 of them) and
+    0 (each batch padded to its longest row) otherwise."""
+    from kdrun.errors import ConfigError
+
+    if isinstance(value, str) and value == "auto":
+        return 32 if compiled else 0
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ConfigError(f"train.pad_to_multiple_of={value!r} must be auto or an integer >= 0 (batch widths "
+                          "rounded up to a multiple of it; 0 pads each batch to its longest row)")
+    return int(value)
+
+
 class Collator:
     """Pads a list of tokenised rows to the longest (or to ``pad_to``) and stacks tensors.
 
@@ -264,16 +287,20 @@ class Collator:
     compares the two).
     """
 
-    def __init__(self, pad_token_id: int, regression: bool, pad_to: int | None = None):
+    def __init__(self, pad_token_id: int, regression: bool, pad_to: int | None = None, multiple: int = 0,
+                 limit: int | None = None):
         self.pad_token_id = pad_token_id
         self.regression = regression
         self.pad_to = pad_to
+        # train.pad_to_multiple_of: widths rounded up to a multiple (a few batch shapes for a
+        # compiled step), never past ``limit`` (task.max_seq_length) unless a row is longer
+        self.multiple, self.limit = multiple, limit
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         n = len(rows)
         ids = [r["input_ids"] for r in rows]
         id_lengths = np.fromiter(map(len, ids), dtype=np.int64, count=n)
-        width = self.pad_to or int(id_lengths.max())
+        width = self.pad_to or bucket_width(int(id_lengths.max()), self.multiple, self.limit)
         batch: dict[str, torch.Tensor] = {}
         for key in TOKEN_COLUMNS:
             if key not in rows[0]:

@@ -1,0 +1,163 @@
+"""One definition of a step's forward work, run eagerly, compiled, or compiled under CUDA graphs.
+
+:func:`forward_loss` is the region: the student's forward pass (under autocast), the live teacher's
+(under ``no_grad``), and the objective's weighted loss (fp32, autocast off). :class:`StepForward`
+runs it as the stage asks, chosen once when the stage starts:
+
+- ``eager``: the region as Python runs it (the default);
+- ``compiled`` (``train.compile=true``): the region as one ``torch.compile`` graph, so the loss
+  terms' elementwise chains fuse with the models' and the backward is one compiled graph too;
+- ``graphed`` (``train.cuda_graphs=true``, CUDA only): the compiled region replayed through CUDA
+  graphs (``mode="reduce-overhead"``), one graph per batch shape.
+
+Batches are padded to a few widths under compile (``train.pad_to_multiple_of``), so a stage compiles
+at most once per width; a batch of another row count (an epoch's last) and a logging step that
+measures per-term gradients run the same region eagerly. Objectives whose loss depends on the step
+(``mapping=random`` redraws its layer pairs every step) run eagerly, as do stage strategies' steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kdrun.models.features import PROJECTION_NEEDS, Features, _base, capture_of, extract_features
+
+log = logging.getLogger(__name__)
+MODES = ("eager", "compiled", "graphed")
+
+
+def forward_loss(parts: Any, plan: Any, batch: dict[str, Any], teacher: Features | None, step: int = 0,
+                 weighted: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The stage's weighted loss and its terms' values on ``batch``: the student's features, the
+    teacher's (``teacher`` when given, e.g. read from the teacher-output store, else its forward
+    pass when the stage uses a teacher) and the objective."""
+    acc = parts.accelerator
+    with acc.autocast():
+        s_feats = extract_features(parts.student, batch, plan.student_needs)
+    if teacher is None and plan.uses_teacher:
+        with torch.no_grad(), acc.autocast():
+            teacher = extract_features(parts.teacher, batch, plan.teacher_needs)
+    with torch.autocast(device_type=acc.device.type, enabled=False):
+        return parts.objective(plan.index, s_feats, teacher, batch, step=step, weighted=weighted)
+
+
+def step_mode(train_cfg: Any, device_type: str, precision: str) -> str:
+    """The stage's step mode from ``train.compile`` / ``train.cuda_graphs``; ConfigError naming the
+    key where CUDA graphs cannot run (off CUDA, or under fp16)."""
+    from kdrun.errors import ConfigError
+
+    if getattr(train_cfg, "cuda_graphs", False):
+        if device_type != "cuda":
+            raise ConfigError(f"train.cuda_graphs=true needs a CUDA device (this run's is {device_type}); "
+                              "use train.compile=true, or drop train.cuda_graphs")
+        if precision == "fp16":
+            raise ConfigError("train.cuda_graphs=true does not run under fp16: its loss scaler reads the "
+                              "gradients on the host every step; use train.precision=bf16, or drop train.cuda_graphs")
+        return "graphed"
+    return "compiled" if getattr(train_cfg, "compile", False) else "eager"
+
+
+def stage_forward(parts: Any, plan: Any, strategy: Any = None) -> StepForward:
+    """How the stage's plain steps run their forward region (eager unless train.compile or
+    train.cuda_graphs ask otherwise and the stage can compile; a one-line notice when it cannot)."""
+    acc, tcfg = parts.accelerator, parts.train_cfg
+    mode = step_mode(tcfg, acc.device.type, acc.precision.name)
+    reason = eager_reason(parts, plan, strategy) if mode != "eager" else None
+    if reason is not None:
+        log.warning("train.compile: stage %r runs eagerly: %s", plan.name, reason)
+        mode = "eager"
+    return StepForward(parts, plan, mode, getattr(tcfg, "compile_backend", "inductor"))
+
+
+def eager_reason(parts: Any, plan: Any, strategy: Any) -> str | None:
+    """Why a compiled stage runs eagerly instead (None: it compiles)."""
+    if strategy is not None:
+        return f"the stage strategy {strategy.key!r} runs its own steps"
+    if parts.objective.step_dependent(plan.index):
+        return "its layer map redraws its pairs every step (mapping=random)"
+    return None
+
+
+def prepare(parts: Any, plan: Any) -> None:
+    """Register, before tracing, every hook the region's forward passes would otherwise register on
+    their first call (a hook registered inside a traced region breaks the graph): kdrun's feature
+    captures and the models' own output-capturing hooks (Hugging Face installs them lazily)."""
+    roles = [(parts.student, plan.student_needs)]
+    if plan.uses_teacher and parts.teacher is not None:
+        roles.append((parts.teacher, plan.teacher_needs))
+    for model, needs in roles:
+        if needs & PROJECTION_NEEDS:
+            capture_of(model)
+        if "mlm_logits" in needs:
+            capture_of(model).hook_mlm(_base(model))
+        _install_output_hooks(model)
+
+
+def _install_output_hooks(model: torch.nn.Module) -> None:
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # an older transformers: hooks are not installed lazily
+        return
+    for module in model.modules():
+        if hasattr(module, "_can_record_outputs") and getattr(module, "_can_record_outputs", None):
+            maybe_install_capturing_hooks(module)
+
+
+class StepForward:
+    """The region (:func:`forward_loss`) run in one of :data:`MODES`; ``compilations`` counts the
+    graphs compiled for it."""
+
+    def __init__(self, parts: Any, plan: Any, mode: str = "eager", backend: str = "inductor",
+                 rows: int | None = None, widths: int = 8):
+        if mode not in MODES:
+            raise ValueError(f"step mode {mode!r} is not one of {', '.join(MODES)}")
+        self.parts, self.plan, self.mode, self.rows = parts, plan, mode, rows
+        self.compilations = 0
+        self._compiled = None
+        if mode != "eager":
+            # A fresh start: every region shares one code object, and dynamo would otherwise check an
+            # earlier stage's graphs (guarded on other models and terms) before each call of this one.
+            torch._dynamo.reset()
+            prepare(parts, plan)
+            _allow_recompiles(widths)
+            kwargs = {"mode": "reduce-overhead"} if mode == "graphed" else {}
+            self._compiled = torch.compile(self._region, backend=backend, dynamic=False, **kwargs)
+
+    def _region(self, batch: dict[str, Any], teacher: Features | None):
+        return forward_loss(self.parts, self.plan, batch, teacher)
+
+    def compiles(self, batch: dict[str, Any], weighted: Any) -> bool:
+        """Whether this call runs the compiled region (else the same region eagerly)."""
+        if self._compiled is None or weighted is not None:
+            return False
+        rows = int(batch["attention_mask"].shape[0])
+        if self.rows is None:  # the stage's first batch sets the row count (the loader's batch size)
+            self.rows = rows
+        return rows == self.rows
+
+    def __call__(self, batch: dict[str, Any], teacher: Features | None, step: int,
+                 weighted: dict[str, torch.Tensor] | None = None):
+        if not self.compiles(batch, weighted):
+            return forward_loss(self.parts, self.plan, batch, teacher, step, weighted)
+        from torch._dynamo.utils import counters
+
+        before = counters["stats"]["unique_graphs"]
+        if self.mode == "graphed":
+            torch.compiler.cudagraph_mark_step_begin()
+        out = self._compiled(batch, teacher)
+        self.compilations += counters["stats"]["unique_graphs"] - before
+        return out
+
+
+def _allow_recompiles(widths: int) -> None:
+    """Let dynamo keep a graph per batch width (its default limit is 8 graphs per function)."""
+    import torch._dynamo.config as dc
+
+    need = widths + 2
+    if getattr(dc, "recompile_limit", need) < need:
+        dc.recompile_limit = need
+    if getattr(dc, "accumulated_recompile_limit", need) < need:
+        dc.accumulated_recompile_limit = need
