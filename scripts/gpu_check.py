@@ -7,8 +7,9 @@ failure or timeout never loses the others); each returns its figures and a pass/
    own training step (kdrun.app.doctor_steps.EngineStep: teacher forward, student forward and
    backward, optimizer step; gradient-norm recording off) at the papers' shape: a BERT-base-shaped
    teacher (12 x 768, random weights) into a 4 x 312 student, batches of 32 x 128 tokens, bf16
-   autocast on CUDA. Three modes: eager, compiled (kdrun.app.models.compiled, as train.compile=true)
-   and graphed (torch.compile mode="reduce-overhead"; CUDA only). A timed block of N steps is
+   autocast on CUDA. Three modes of the step's forward region (kdrun.engine.compiled): eager,
+   compiled (train.compile=true: student forward, teacher forward and loss as one graph) and
+   graphed (train.cuda_graphs=true: that graph under CUDA graphs; CUDA only). A timed block of N steps is
    synchronised once before and once after, with no host read inside it. Each row also has the
    model FLOPs per step (formula in the JSON), the fraction of the device's bf16 dense peak (known
    devices only) and the ATen ops of one step (kdrun.runtime.ops.OpCounter via step_ops).
@@ -48,7 +49,6 @@ import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -142,18 +142,12 @@ def compile_backend(ctx: Ctx) -> str:
     return "aot_eager" if ctx.fast else "inductor"
 
 
-def compile_model(model: Any, backend: str, mode: str | None = None) -> Any:
-    """kdrun's own train.compile wrapping (kdrun.app.models.compiled); ``mode`` adds torch.compile's mode."""
-    import torch
+def use_mode(step: Any, mode: str, backend: str) -> None:
+    """Run the engine step's forward region eager, compiled or graphed, as train.compile /
+    train.cuda_graphs run it (kdrun.engine.compiled.StepForward)."""
+    from kdrun.engine.compiled import StepForward
 
-    from kdrun.app.models import compiled
-
-    if model is None:
-        return None
-    if mode is not None:
-        return torch.compile(model, backend=backend, mode=mode)
-    return compiled(SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(compile=True, compile_backend=backend))),
-                    model)
+    step.loop.forward = StepForward(step.parts, step.loop.plan, mode, backend)
 
 
 def reset_compiler() -> None:
@@ -210,17 +204,6 @@ def timed_steps(step: Any, batch: dict, device: str, warmup: int, steps: int) ->
     return (time.perf_counter() - t0) / steps
 
 
-def graphed_step(step: Any) -> Callable[[dict], Any]:
-    """The step with a new CUDA-graph step marked first (the teacher's outputs of the last step are done)."""
-    import torch
-
-    def run(batch: dict) -> Any:
-        torch.compiler.cudagraph_mark_step_begin()
-        return step(batch)
-
-    return run
-
-
 def throughput_row(cfg: Any, mode: str, ctx: Ctx) -> dict[str, Any]:
     from kdrun.app.doctor_steps import fixed_batch
     from kdrun.engine.trainer import to_device
@@ -230,14 +213,11 @@ def throughput_row(cfg: Any, mode: str, ctx: Ctx) -> dict[str, Any]:
     flops = step_flops(step, setup)
     if mode != "eager":
         reset_compiler()
-        backend, cmode = compile_backend(ctx), ("reduce-overhead" if mode == "graphed" else None)
-        step.parts.student = compile_model(step.parts.student, backend, cmode)
-        step.parts.teacher = compile_model(step.parts.teacher, backend, cmode)
+        use_mode(step, mode, compile_backend(ctx))
     batch = to_device(fixed_batch(setup.batch, setup.tokens, setup.vocab, ragged=False), step.parts.accelerator.device)
     steps, warmup = (2, 1) if ctx.fast else (20, 3)
     t0 = time.perf_counter()
-    run = graphed_step(step) if mode == "graphed" else step
-    per_step = timed_steps(run, batch, ctx.device, warmup if mode == "eager" else warmup + 1, steps)
+    per_step = timed_steps(step, batch, ctx.device, warmup if mode == "eager" else warmup + 1, steps)
     tokens = setup.batch * setup.tokens
     peak = peak_tflops(ctx.meta["device"]) if ctx.device == "cuda" else None
     achieved = flops / per_step / 1e12
@@ -317,8 +297,7 @@ def loss_and_grads(cfg: Any, device: str, dtype: Any, ctx: Ctx, backend: str | N
         step.parts.teacher = step.parts.teacher.to(dtype)  # EngineStep casts it to the precision's dtype
     if backend is not None:
         reset_compiler()
-        step.parts.student = compile_model(step.parts.student, backend)
-        step.parts.teacher = compile_model(step.parts.teacher, backend)
+        use_mode(step, "compiled", backend)
     seen: list[Any] = []
 
     def grab(optimizer, args, kwargs):

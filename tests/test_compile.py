@@ -159,3 +159,14 @@ def test_cuda_graphs_are_refused_off_cuda_and_under_fp16(run_cfg) -> None:
         step_mode(SimpleNamespace(cuda_graphs=True, compile=False), "cuda", "fp16")
     assert step_mode(SimpleNamespace(cuda_graphs=True, compile=False), "cuda", "bf16") == "graphed"
     assert step_mode(SimpleNamespace(cuda_graphs=False, compile=True), "cpu", "no") == "compiled"
+
+
+def test_bench_compile_fast_compares_both_sides(tmp_path: Path) -> None:
+    from tests.test_scripts_fast import run_script
+
+    out = run_script("bench_compile", "--fast", "--json", str(tmp_path / "b.json"), tmp_path=tmp_path, timeout=400)
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert set(rows) == {"logit", "ckd"} and "ratio" in out
+    for row in rows.values():  # the same batches, the same arithmetic (aot_eager): equal losses
+        assert row["max_loss_diff"] < 1e-5 and row["compiled"]["compilations"] == 1
+        assert row["eager"]["compilations"] == 0 and row["ratio"] > 0

@@ -226,7 +226,9 @@ def bench_worker(objective: str, teacher: Shape, student: Shape, batch: int, tok
     obj = Objective(plans, MappingSpec.from_config(cfg.mapping, seed=0), 2, describe(s), describe(t))
     prec = resolve_precision("auto", device)
     with tempfile.TemporaryDirectory(prefix="kdrun-doctor-") as tmp:
-        step = EngineStep({"teacher": t, "student": s, "objective": obj}, plans[0], prec, device, cfg.train, Path(tmp))
+        # no gradient-norm recording: its host read every step would time the syncs, not the step
+        step = EngineStep({"teacher": t, "student": s, "objective": obj}, plans[0], prec, device, cfg.train, Path(tmp),
+                          record_grads=False)
         return _time_steps(step, fixed_batch(batch, tokens, vocab, ragged=False), steps, warmup) | {
             "precision": PRECISION_LABEL[prec], "device": device}
 

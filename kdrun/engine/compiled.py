@@ -18,12 +18,14 @@ measures per-term gradients run the same region eagerly. Objectives whose loss d
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
 import torch
 
 from kdrun.models.features import PROJECTION_NEEDS, Features, _base, capture_of, extract_features
+from kdrun.runtime.precision import exact_fp32_matmul
 
 log = logging.getLogger(__name__)
 MODES = ("eager", "compiled", "graphed")
@@ -147,9 +149,19 @@ class StepForward:
         before = counters["stats"]["unique_graphs"]
         if self.mode == "graphed":
             torch.compiler.cudagraph_mark_step_begin()
-        out = self._compiled(batch, teacher)
+        with self._exact_fp32():
+            out = self._compiled(batch, teacher)
         self.compilations += counters["stats"]["unique_graphs"] - before
         return out
+
+
+    def _exact_fp32(self):
+        """Under mixed precision on CUDA the region's fp32 matmuls are the objective's (the models run
+        under autocast), so TF32 is switched off around the whole compiled region: the relation Gram
+        matrices stay in full fp32, as the eager step keeps them. Under fp32 training, train.tf32 holds."""
+        if self.parts.accelerator.precision.name in ("bf16", "fp16"):
+            return exact_fp32_matmul(self.parts.accelerator.device.type)
+        return contextlib.nullcontext()
 
 
 def _allow_recompiles(widths: int) -> None:

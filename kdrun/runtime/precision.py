@@ -83,7 +83,9 @@ def apply_tf32(enabled: bool, device_type: str) -> None:
 def exact_fp32_matmul(device_type: str) -> Iterator[None]:
     """CUDA fp32 matmuls in full fp32 inside the block (TF32 off, restored after); a no-op off CUDA
     or where TF32 is already off. For kernels whose results cancel (Gram-matrix relations)."""
-    if device_type != "cuda" or not torch.backends.cuda.matmul.allow_tf32:
+    # inside a compiled region the switch is not traced: the compiled step switches TF32 off
+    # around the whole region instead (kdrun.engine.compiled.StepForward)
+    if device_type != "cuda" or not torch.backends.cuda.matmul.allow_tf32 or torch.compiler.is_compiling():
         yield
         return
     torch.backends.cuda.matmul.allow_tf32 = False
