@@ -43,6 +43,7 @@ Everything is computed in fp32 with autocast off; the teacher side without gradi
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -50,10 +51,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdrun.losses.angle_kernel import CHUNK_ELEMS, AngleLoss, SalientAngleLoss
+from kdrun.losses.angle_kernel import SalientAngleLoss
 from kdrun.losses.prediction import Temperature, logit_kd, regression_mse
 from kdrun.losses.registry import LossContext, ParamError, Params, param, positive, positive_int, register_loss
-from kdrun.losses.relations import _tiny, _tol, angle_geometry, full_precision, gram, relation_dtype, valid_points
+from kdrun.losses.relations import _tiny, _tol, all_triples_sum, full_precision, gram, relation_dtype, valid_points
 from kdrun.models.features import Features, no_autocast
 
 PROJECT = ("auto", "always", "never")
@@ -97,11 +98,17 @@ def _pair_mse(y: torch.Tensor, ds: int, mask: torch.Tensor, m: int) -> torch.Ten
     a, b, dt = ds // m, (y.shape[-1] - ds) // m, y.dtype
     y = torch.cat([split_heads(y[..., :ds], m), split_heads(y[..., ds:], m)], -1).double()  # (..., B, m, n, a+b)
     k2 = (y.transpose(-1, -2) @ y).square().sum((-4, -3))  # (..., a + b, a + b), summed over examples, heads
-    u = [(a * m) ** -0.5] * a + [-((b * m) ** -0.5)] * b  # 1/m of the mean folded in
-    w = torch.tensor([ui * uj for ui in u for uj in u], dtype=torch.float64, device=y.device)
     n = mask.sum(-1, dtype=torch.float64)
-    per_layer = (k2.flatten(-2) @ w).clamp_min(0.0)  # each stacked layer's sum of squared errors / m
+    per_layer = (k2.flatten(-2) @ _pair_weights(a, b, m, y.device)).clamp_min(0.0)  # squared errors / m per layer
     return (per_layer / (n @ n).clamp_min(1)).sum().to(dt)
+
+
+@functools.lru_cache(maxsize=16)
+def _pair_weights(a: int, b: int, m: int, device: torch.device) -> torch.Tensor:
+    """:func:`pair_mse`'s fp64 weights ``u_i u_j``, made once per shape and device (no copy per step)."""
+    u = [(a * m) ** -0.5] * a + [-((b * m) ** -0.5)] * b
+    w = torch.tensor([ui * uj for ui in u for uj in u], dtype=torch.float64, pin_memory=device.type == "cuda")
+    return w.to(device, non_blocking=True)
 
 
 def salient_selection(pt: torch.Tensor, mask: torch.Tensor, k1: int, k2: int, pad: torch.Tensor | None = None
@@ -204,13 +211,7 @@ def _sample_angles(v: torch.Tensor, ds: int, heads: int, beta: float) -> torch.T
     gs = gram(split_heads(vc[..., :ds], heads).reshape(L * heads, n, -1))  # (L m, B, B)
     with torch.no_grad():
         gt = gram(split_heads(vc[..., ds:], heads).reshape(L * heads, n, -1))
-    g, ar = torch.stack([gs, gt]), torch.arange(n, device=v.device)
-    valid = (ar[:, None] != ar[None, :]).expand(L * heads, n, n)  # every ordered pair of other samples
-    c, inv = angle_geometry(g, valid, (None, n))
-    chunk = int(CHUNK_ELEMS.get(v.device.type, CHUNK_ELEMS["cuda"]))
-    total = AngleLoss.apply(g, c, inv, valid, None, "huber", float(beta), chunk,
-                            torch.is_grad_enabled() and gs.requires_grad)
-    return total / max(heads * n * (n - 1) ** 2, 1)  # each layer's mean over its triples, summed
+    return all_triples_sum(gs, gt, "huber", beta) / max(heads * n * (n - 1) ** 2, 1)  # the layers' means, summed
 
 
 # ------------------------------------------------------------------------------------------ module
@@ -410,9 +411,8 @@ def mgskd_sample(s: Features, t: Features, batch, ctx: LossContext, p: SamplePar
             ds, v = xs.shape[-1], sample_points(torch.cat([xs, xt], -1), mask)
             if p.angle:  # (L, m, B, d/m): one point set per layer and head
                 parts["angle"] = _sample_angles(v, ds, p.heads, p.huber_beta)
-            if p.pair:
-                ones = torch.ones((1, v.shape[-2]), dtype=torch.bool, device=v.device)
-                parts["pair"] = _pair_mse(v[:, None], ds, ones, p.heads)
+            if p.pair:  # one point set per layer: every sample valid
+                parts["pair"] = _pair_mse(v[:, None], ds, v.new_ones((1, v.shape[-2]), dtype=torch.bool), p.heads)
         else:  # no layer pair: 0, still on the graph
             parts = dict.fromkeys([k for k in ("pair", "angle") if getattr(p, k)], hs[0].to(dt).sum() * 0.0)
         if module is not None:

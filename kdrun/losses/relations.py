@@ -373,6 +373,18 @@ def angle_loss(
         return total / count.clamp_min(1).to(dt)
 
 
+def all_triples_sum(gs: torch.Tensor, gt: torch.Tensor, loss: str = "mse", huber_beta: float = 1.0) -> torch.Tensor:
+    """The summed matching loss over every triple of point sets whose points are all valid, from the
+    student's and the teacher's Gram matrices ``gs``, ``gt`` (P, n, n) of centred points (no masks)."""
+    P, n, _ = gs.shape
+    g, ar = torch.stack([gs, gt]), torch.arange(n, device=gs.device)
+    valid = (ar[:, None] != ar[None, :]).expand(P, n, n)  # every ordered pair of other points
+    c, inv = angle_geometry(g, valid, (None, n))
+    chunk = int(CHUNK_ELEMS.get(gs.device.type, CHUNK_ELEMS["cuda"]))
+    return AngleLoss.apply(g, c, inv, valid, None, loss, float(huber_beta), chunk,
+                           torch.is_grad_enabled() and gs.requires_grad)
+
+
 def angle_matrix(x: torch.Tensor, mask: torch.Tensor, vertex: int) -> torch.Tensor:
     """cos of the angle at ``vertex`` for every pair of points: (P, n, d) -> (P, n, n) (for plots).
 
