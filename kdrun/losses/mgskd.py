@@ -43,7 +43,6 @@ Everything is computed in fp32 with autocast off; the teacher side without gradi
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -83,32 +82,32 @@ def pair_mse(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, m: int) -> 
     xs (L, B, n, ds), xt (L, B, n, dt) sharing the mask: the sum of the L layers' MSEs.
 
     Per head, with X zeroed at invalid points, a = ds/m, b = dt/m:
-    ``||X_s X_s^T/√a - X_t X_t^T/√b||² = ||X_s^T X_s||²/a - 2 ||X_s^T X_t||²/√(ab) + ||X_t^T X_t||²/b``,
-    i.e. ``Σ_ij u_i u_j K_ij²`` for the Gram matrix ``K = Y^T Y`` of both sides' sub-vectors side by
-    side, ``Y = [X_s | X_t]``, with ``u = (a^-1/2 … , -b^-1/2 …)``: one (a+b) × (a+b) product per head,
-    O(n d²/m) instead of O(n² d). The reductions run in fp64 so the cancellation between the blocks
-    stays far below the loss itself.
+    ``||X_s X_s^T/√a - X_t X_t^T/√b||² = ||X_s^T X_s||²/a - 2 ||X_s^T X_t||²/√(ab) + ||X_t^T X_t||²/b``
+    ``= Σ_ij u_i u_j K_ij²``, ``K = Y^T Y`` with ``Y = [X_s | X_t]``, ``u = (a^-1/2 …, -b^-1/2 …)``: one
+    (a+b)² product per head, O(n d²/m), in fp64 (the blocks' cancellation stays far below the loss).
     """
     y = torch.cat([xs, xt.to(xs.dtype)], -1).masked_fill(~mask[..., None], 0.0)
     return _pair_mse(y, xs.shape[-1], mask, m)
 
 
-def _pair_mse(y: torch.Tensor, ds: int, mask: torch.Tensor, m: int) -> torch.Tensor:
+def _pair_mse(y: torch.Tensor, ds: int, mask: torch.Tensor, m: int, w: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`pair_mse` of both sides' points side by side, ``y`` (..., B, n, ds + dt), padding zeroed."""
     a, b, dt = ds // m, (y.shape[-1] - ds) // m, y.dtype
     y = torch.cat([split_heads(y[..., :ds], m), split_heads(y[..., ds:], m)], -1).double()  # (..., B, m, n, a+b)
     k2 = (y.transpose(-1, -2) @ y).square().sum((-4, -3))  # (..., a + b, a + b), summed over examples, heads
     n = mask.sum(-1, dtype=torch.float64)
-    per_layer = (k2.flatten(-2) @ _pair_weights(a, b, m, y.device)).clamp_min(0.0)  # squared errors / m per layer
+    if w is None or w.shape[0] != (a + b) ** 2:
+        w = pair_weights(a * m, b * m, m).to(y.device)
+    per_layer = (k2.flatten(-2) @ w.to(torch.float64)).clamp_min(0.0)  # squared errors / m per layer
     return (per_layer / (n @ n).clamp_min(1)).sum().to(dt)
 
 
-@functools.lru_cache(maxsize=16)
-def _pair_weights(a: int, b: int, m: int, device: torch.device) -> torch.Tensor:
-    """:func:`pair_mse`'s fp64 weights ``u_i u_j``, made once per shape and device (no copy per step)."""
+def pair_weights(ds: int, dt: int, m: int) -> torch.Tensor:
+    """:func:`pair_mse`'s fp64 weights ``u_i u_j`` for widths ds, dt (1/m of the mean folded in), on the CPU;
+    a term's module holds them on its device (no copy per step)."""
+    a, b = ds // m, dt // m
     u = [(a * m) ** -0.5] * a + [-((b * m) ** -0.5)] * b
-    w = torch.tensor([ui * uj for ui in u for uj in u], dtype=torch.float64, pin_memory=device.type == "cuda")
-    return w.to(device, non_blocking=True)
+    return torch.tensor([ui * uj for ui in u for uj in u], dtype=torch.float64)
 
 
 def salient_selection(pt: torch.Tensor, mask: torch.Tensor, k1: int, k2: int, pad: torch.Tensor | None = None
@@ -134,19 +133,16 @@ def salient_selection(pt: torch.Tensor, mask: torch.Tensor, k1: int, k2: int, pa
     return vert, nb, valid
 
 
-def structure_losses(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, *, heads: int, pair: bool,
-                     angle: bool, k1: int, k2: int, huber_beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pair MSE, angle Huber) between student points xs (B, n, ds) and teacher points xt (B, n, dt).
-
-    Relations are within each example; ``mask`` (B, n) marks the valid points. Stacked layers
-    xs (L, B, n, ds), xt (L, B, n, dt) sharing the mask: the sums over the L layers, in one call.
+def structure_losses(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair MSE, angle Huber) between student points xs (B, n, ds) and teacher points xt (B, n, dt)
+    (keywords: :func:`_structure`'s). Relations are within each example; ``mask`` (B, n) marks the valid
+    points. Stacked layers xs (L, B, n, ds), xt (L, B, n, dt) sharing the mask: the sums over the L layers.
     """
-    return _structure(torch.cat([xs, xt.to(xs.dtype)], -1), xs.shape[-1], mask, heads=heads, pair=pair,
-                      angle=angle, k1=k1, k2=k2, huber_beta=huber_beta)
+    return _structure(torch.cat([xs, xt.to(xs.dtype)], -1), xs.shape[-1], mask, **kw)
 
 
 def _structure(y: torch.Tensor, ds: int, mask: torch.Tensor, *, heads: int, pair: bool, angle: bool, k1: int,
-               k2: int, huber_beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+               k2: int, huber_beta: float, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`structure_losses` of both sides' points side by side, ``y`` (..., B, n, ds + dt): the
     masking and centring run once for both."""
     zero = y.sum() * 0.0 if not (pair and angle) else None  # keeps the graph when a part is off or empty
@@ -154,7 +150,7 @@ def _structure(y: torch.Tensor, ds: int, mask: torch.Tensor, *, heads: int, pair
     pad = ~mask
     y = y.masked_fill(pad[..., None], 0.0)
     if pair:
-        lp = _pair_mse(y, ds, mask, heads)
+        lp = _pair_mse(y, ds, mask, heads, weights)
     if angle and y.shape[-2] >= 2:
         la = _salient_angles(y, ds, mask, pad, heads, k1, k2, huber_beta)
     elif angle:
@@ -220,9 +216,12 @@ class MGSKDModule(nn.Module):
     """A term's learned projection of the student to the teacher's width (when needed) and the
     running means of its parts, which the trainer logs as ``objective/<term>/<part>``."""
 
-    def __init__(self, student_width: int, teacher_width: int, project: bool):
+    def __init__(self, student_width: int, teacher_width: int, project: bool, heads: int = 0):
         super().__init__()
         self.proj = nn.Linear(student_width, teacher_width) if project else None
+        width = teacher_width if project else student_width
+        if heads and not (width % heads or teacher_width % heads):  # pair_mse's weights, not in the state
+            self.register_buffer("pair_weights", pair_weights(width, teacher_width, heads), persistent=False)
         self._sums: dict[str, torch.Tensor] = {}
         self._counts: dict[str, int] = {}
 
@@ -296,7 +295,7 @@ def _needs_projection(student_info, teacher_info, heads: int, project: str) -> b
 
 def _factory(student_info, teacher_info, layer_pairs, p: StructureParams) -> nn.Module:
     return MGSKDModule(student_info["hidden"], teacher_info["hidden"],
-                       _needs_projection(student_info, teacher_info, p.heads, p.project))
+                       _needs_projection(student_info, teacher_info, p.heads, p.project), p.heads)
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -352,13 +351,11 @@ def _within_examples(hs, ht, pairs, module, points, mask, parts: dict, **kw) -> 
     dt = relation_dtype(hs[0])
     if pairs:
         xs, xt = _stacked(hs, ht, pairs, dt, module)
-        lp, la = _structure(points(torch.cat([xs, xt], -1)), xs.shape[-1], mask, **kw)  # both sides at once
+        lp, la = _structure(points(torch.cat([xs, xt], -1)), xs.shape[-1], mask,  # both sides at once
+                            weights=getattr(module, "pair_weights", None), **kw)
     else:
         lp = la = hs[0].to(dt).sum() * 0.0  # (no layer pair: 0, still on the graph)
-    if kw["pair"]:
-        parts["pair"] = lp
-    if kw["angle"]:
-        parts["angle"] = la
+    parts.update({k: v for k, v in (("pair", lp), ("angle", la)) if kw[k]})
     return lp + la
 
 
@@ -412,7 +409,8 @@ def mgskd_sample(s: Features, t: Features, batch, ctx: LossContext, p: SamplePar
             if p.angle:  # (L, m, B, d/m): one point set per layer and head
                 parts["angle"] = _sample_angles(v, ds, p.heads, p.huber_beta)
             if p.pair:  # one point set per layer: every sample valid
-                parts["pair"] = _pair_mse(v[:, None], ds, v.new_ones((1, v.shape[-2]), dtype=torch.bool), p.heads)
+                ones = v.new_ones((1, v.shape[-2]), dtype=torch.bool)
+                parts["pair"] = _pair_mse(v[:, None], ds, ones, p.heads, getattr(module, "pair_weights", None))
         else:  # no layer pair: 0, still on the graph
             parts = dict.fromkeys([k for k in ("pair", "angle") if getattr(p, k)], hs[0].to(dt).sum() * 0.0)
         if module is not None:
