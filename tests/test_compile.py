@@ -170,3 +170,20 @@ def test_bench_compile_fast_compares_both_sides(tmp_path: Path) -> None:
     for row in rows.values():  # the same batches, the same arithmetic (aot_eager): equal losses
         assert row["max_loss_diff"] < 1e-5 and row["compiled"]["compilations"] == 1
         assert row["eager"]["compilations"] == 0 and row["ratio"] > 0
+
+
+@pytest.mark.parametrize("kind", ["labelled", "qa", "corpus", "tokens"])
+def test_every_task_kind_compiles_with_the_store_on(kind: str, tmp_path: Path) -> None:
+    """Each task kind (labelled, extractive QA, a raw-text corpus, the token plug-in) trains the same
+    student compiled as eager, its teacher's outputs read from the store (a region input)."""
+    from tests.test_store_kinds import KINDS, _run
+
+    args = [*KINDS[kind](tmp_path), "teacher.store=on", "train.pad_to_multiple_of=16", "student.dropout=0.0"]
+    _run(tmp_path, "eager", args)
+    _run(tmp_path, "compiled", [*args, "train.compile=true", "train.compile_backend=eager"])
+    eager, compiled = (json.loads((tmp_path / n / "results.json").read_text()) for n in ("eager", "compiled"))
+    assert [s["step_mode"] for s in compiled["stages"]] == ["compiled"] * len(compiled["stages"])
+    assert all(s["compilations"] >= 1 for s in compiled["stages"])
+    a = load_file(str(tmp_path / "eager" / "student" / "model.safetensors"))
+    b = load_file(str(tmp_path / "compiled" / "student" / "model.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)

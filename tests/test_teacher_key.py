@@ -229,6 +229,8 @@ NOT_IN_KEY_CHANGES = {
     "train.find_unused_parameters": True,
     "train.compile": True,
     "train.compile_backend": "eager",
+    "train.cuda_graphs": True,
+    "train.pad_to_multiple_of": 16,
     "train.stop_after_steps": 3,
     "task.name": "renamed",
     "task.validation_percent": 5.0,
@@ -319,8 +321,9 @@ def test_defaults_train_the_teacher_as_before() -> None:
     """The default config's teacher sees the train settings it saw before the teacher had its own
     (cache_teacher_logits aside, which the teacher, having no teacher, never read)."""
     cfg = compose([])
-    old = OmegaConf.merge(cfg.train, {"stop_after_steps": None,
-                                      "seed": cfg.teacher.finetune.seed})
+    old = OmegaConf.merge(cfg.train, {"stop_after_steps": None, "seed": cfg.teacher.finetune.seed,
+                                      # auto (not compiled) pads each batch to its longest row, as 0 does
+                                      "pad_to_multiple_of": 0})
     new = T.teacher_train_cfg(cfg.train, cfg.teacher.finetune)
     assert {k: v for k, v in new.items() if k != "cache_teacher_logits"} == \
         {k: v for k, v in old.items() if k != "cache_teacher_logits"}
