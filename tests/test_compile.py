@@ -187,3 +187,19 @@ def test_every_task_kind_compiles_with_the_store_on(kind: str, tmp_path: Path) -
     a = load_file(str(tmp_path / "eager" / "student" / "model.safetensors"))
     b = load_file(str(tmp_path / "compiled" / "student" / "model.safetensors"))
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+@pytest.mark.parametrize("precision,exact", [("bf16", True), ("fp16", True), ("no", False)])
+def test_a_compiled_region_under_mixed_precision_on_cuda_keeps_tf32_off(precision: str, exact: bool,
+                                                                         monkeypatch) -> None:
+    """The fp32 islands' own TF32 switch is not traced, so under bf16/fp16 the compiled call runs with
+    TF32 off (its fp32 matmuls are the objective's); under fp32 training train.tf32 holds."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    acc = SimpleNamespace(precision=SimpleNamespace(name=precision), device=torch.device("cuda"))
+    forward = StepForward.__new__(StepForward)
+    forward.parts = SimpleNamespace(accelerator=acc)
+    with forward._exact_fp32():
+        inside = torch.backends.cuda.matmul.allow_tf32
+    assert inside is (not exact) and torch.backends.cuda.matmul.allow_tf32 is True
