@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kdrun.models.features import PROJECTION_NEEDS, Features, _base, capture_of, extract_features
+from kdrun.models.features import PROJECTION_NEEDS, Features, capture_of, extract_features, unwrapped
 from kdrun.runtime.precision import exact_fp32_matmul
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def prepare(parts: Any, plan: Any) -> None:
         if needs & PROJECTION_NEEDS:
             capture_of(model)
         if "mlm_logits" in needs:
-            capture_of(model).hook_mlm(_base(model))
+            capture_of(model).hook_mlm(unwrapped(model))
         _install_output_hooks(model)
 
 

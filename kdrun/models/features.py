@@ -187,7 +187,7 @@ def model_inputs(batch: Mapping[str, torch.Tensor], model: nn.Module | None = No
     return {k: batch[k] for k in keys if k in batch}
 
 
-def _base(model: nn.Module) -> nn.Module:
+def unwrapped(model: nn.Module) -> nn.Module:
     """The model inside a DDP (``module``) or torch.compile (``_orig_mod``) wrapper."""
     while True:
         inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
@@ -206,7 +206,7 @@ class _Capture:
         from kdrun.models.loading import attention_projections
 
         modules = attention_projections(model)
-        adaptor = get_adaptor(_base(model))
+        adaptor = get_adaptor(unwrapped(model))
         self.store: dict[str, list[Any]] = {w: [None] * len(modules) for w in ("q", "k", "v", "bias")}
         self.active = False
         self.positions: torch.Tensor | None = None  # masked-LM rows to keep (mlm_logits), or None
@@ -259,7 +259,7 @@ def capture_of(model: nn.Module) -> _Capture:
     """The model's capture, kept as an attribute of the model itself: a compiled step reads it
     through the model (a process-wide table of models would put every model ever hooked into the
     step's guards)."""
-    base = _base(model)
+    base = unwrapped(model)
     cap = base.__dict__.get(CAPTURE_ATTR)
     if cap is None:
         cap = _Capture(base)
@@ -275,7 +275,7 @@ def _capturing(model: nn.Module, projections: bool, positions: torch.Tensor | No
         return
     cap = capture_of(model)
     if positions is not None:
-        cap.hook_mlm(_base(model))
+        cap.hook_mlm(unwrapped(model))
     cap.active, cap.positions = projections, positions
     try:
         yield cap
