@@ -113,7 +113,7 @@ class StepForward:
     graphs compiled for it."""
 
     def __init__(self, parts: Any, plan: Any, mode: str = "eager", backend: str = "inductor",
-                 rows: int | None = None, widths: int = 8):
+                 rows: int | None = None, widths: int = 64):
         if mode not in MODES:
             raise ValueError(f"step mode {mode!r} is not one of {', '.join(MODES)}")
         self.parts, self.plan, self.mode, self.rows = parts, plan, mode, rows
@@ -165,7 +165,8 @@ class StepForward:
 
 
 def _allow_recompiles(widths: int) -> None:
-    """Let dynamo keep a graph per batch width (its default limit is 8 graphs per function)."""
+    """Let dynamo keep a graph per batch width (its default limit is 8 graphs per function; 512
+    tokens in multiples of 32 are 16 widths, and a collator that rounds nothing gives more)."""
     import torch._dynamo.config as dc
 
     need = widths + 2
