@@ -203,3 +203,12 @@ def test_a_compiled_region_under_mixed_precision_on_cuda_keeps_tf32_off(precisio
     with forward._exact_fp32():
         inside = torch.backends.cuda.matmul.allow_tf32
     assert inside is (not exact) and torch.backends.cuda.matmul.allow_tf32 is True
+
+
+def test_more_widths_than_dynamos_default_limit_each_get_a_graph(objectives) -> None:
+    """12 widths (dynamo keeps 8 graphs per function by default): each compiled, none run eagerly."""
+    torch._dynamo.reset()
+    step = engine_step(objectives["logit"], "compiled")
+    for i, width in enumerate(range(4, 52, 4)):
+        step(fixed_batch(4, width, 100, seed=i))
+    assert step.loop.forward.compilations == 12
