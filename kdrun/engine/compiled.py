@@ -40,10 +40,16 @@ def forward_loss(parts: Any, plan: Any, batch: dict[str, Any], teacher: Features
     with acc.autocast():
         s_feats = extract_features(parts.student, batch, plan.student_needs)
     if teacher is None and plan.uses_teacher:
-        with torch.no_grad(), acc.autocast():
-            teacher = extract_features(parts.teacher, batch, plan.teacher_needs)
+        teacher = live_teacher(parts, plan, batch)
     with torch.autocast(device_type=acc.device.type, enabled=False):
         return parts.objective(plan.index, s_feats, teacher, batch, step=step, weighted=weighted)
+
+
+def live_teacher(parts: Any, plan: Any, batch: dict[str, Any]) -> Features:
+    """The frozen teacher's forward pass on ``batch``: under ``no_grad`` (not inference mode), so its
+    features join the student's graph without copies."""
+    with torch.no_grad(), parts.accelerator.autocast():
+        return extract_features(parts.teacher, batch, plan.teacher_needs)
 
 
 def step_mode(train_cfg: Any, device_type: str, precision: str) -> str:
@@ -104,7 +110,7 @@ def _install_output_hooks(model: torch.nn.Module) -> None:
     except ImportError:  # an older transformers: hooks are not installed lazily
         return
     for module in model.modules():
-        if hasattr(module, "_can_record_outputs") and getattr(module, "_can_record_outputs", None):
+        if getattr(module, "_can_record_outputs", None):
             maybe_install_capturing_hooks(module)
 
 
@@ -153,7 +159,6 @@ class StepForward:
             out = self._compiled(batch, teacher)
         self.compilations += counters["stats"]["unique_graphs"] - before
         return out
-
 
     def _exact_fp32(self):
         """Under mixed precision on CUDA the region's fp32 matmuls are the objective's (the models run

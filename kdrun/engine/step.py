@@ -16,14 +16,14 @@ from typing import Any
 import torch
 
 from kdrun.engine.checkpoints import TrainState
-from kdrun.engine.compiled import StepForward
+from kdrun.engine.compiled import StepForward, live_teacher
 from kdrun.engine.ddp import _average_objective_grads, _ddp_wrap
 from kdrun.engine.evaluation import LogitTable
 from kdrun.engine.grad_shares import grad_share_logs
 from kdrun.engine.meters import FiniteWatch, _Meter
 from kdrun.engine.objective import StagePlan
 from kdrun.engine.run_parts import RunParts
-from kdrun.models.features import Features, extract_features
+from kdrun.models.features import Features
 from kdrun.runtime.syncs import host_section
 
 
@@ -75,13 +75,11 @@ def stored_teacher(loop: StageLoop, batch: dict[str, Any]) -> Features | None:
 
 
 def teacher_features(parts: RunParts, loop: StageLoop, batch: dict[str, Any]) -> Features | None:
-    """The frozen teacher's features for ``batch`` (read when stored, else its forward pass); under
-    ``no_grad`` (not inference mode), so they join the student's graph without copies."""
+    """The frozen teacher's features for ``batch``: read when stored, else its forward pass."""
     stored = stored_teacher(loop, batch)
     if stored is not None or not loop.plan.uses_teacher:
         return stored
-    with torch.no_grad(), parts.accelerator.autocast():
-        return extract_features(parts.teacher, batch, loop.plan.teacher_needs)
+    return live_teacher(parts, loop.plan, batch)
 
 
 def objective_loss(parts: RunParts, loop: StageLoop, batch: dict[str, Any], state: TrainState,
