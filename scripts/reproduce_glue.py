@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -125,7 +126,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--extra", action="append", default=[], help="any further kdrun override (repeatable)")
     p.add_argument("--jobs", type=int, default=1,
                    help="(task, objective) pipelines run at once (default 1; on a GPU several share the card: "
-                        "each task's first objective runs alone first, so its teacher is fine-tuned once)")
+                        "each task's first objective runs alone first, so its teacher is fine-tuned once); "
+                        "--recipe claims: each arm's seeds N at a time (launcher=packed, cores/N threads each)")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--measure-lengths", action="store_true",
                    help="print the share of rows each max length would cut (per task and split) and exit")
@@ -449,15 +451,51 @@ def claim_setting(args: argparse.Namespace, task: str, objective: str, out: Path
     return known[(task, objective)]
 
 
+def packed_overrides(jobs: int, cores: int | None = None) -> list[str]:
+    """With ``--jobs N`` (N > 1) each multirun's seeds run N at a time (``launcher=packed``), each with
+    the cores / N threads: fixed, so a run's result never depends on what ran beside it."""
+    if jobs <= 1:
+        return []
+    threads = max(1, (cores or os.cpu_count() or 1) // jobs)
+    return ["launcher=packed", f"hydra.launcher.jobs_at_once={jobs}", f"train.num_threads={threads}"]
+
+
+def warm_teacher(args: argparse.Namespace, task: str, out: Path) -> None:
+    """Before ``--jobs N`` runs a task's arms N at a time: one small run with every core, which
+    fine-tunes and caches the task's teacher (otherwise the first packed job would, on its share of
+    the cores, while the others wait for it)."""
+    cmd = ["kdrun", *common_overrides(args, task), "objective=logit", "task.max_train_samples=64",
+           "train.epochs=1", f"hydra.run.dir={out / 'teachers' / task}"]
+    print("$ " + " ".join(cmd), flush=True)
+    if not args.dry_run and subprocess.call(cmd) != 0:
+        print(f"[reproduce_glue] the teacher run for {task} failed; the arms will fine-tune it", flush=True)
+
+
+def log_wall_time(out: Path, started: float, args: argparse.Namespace) -> None:
+    """This invocation's wall time so far in OUT/wall_time.json (one entry per invocation, rewritten
+    after every step, so an interrupted invocation still counts up to its last finished step)."""
+    path = out / "wall_time.json"
+    entries = json.loads(path.read_text()) if path.exists() else []
+    entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+             "seconds": round(time.time() - started, 1), "tasks": args.tasks, "jobs": args.jobs}
+    entries = [e for e in entries if e.get("started") != entry["started"]] + [entry]
+    write_json_atomic(path, entries)
+
+
 def run_claims(args: argparse.Namespace, out: Path) -> int:
     """Every arm of every claim (kdrun/report/claims_plan.py), one kdrun multirun over the seeds each,
     claim by claim; then the claims table (kdrun/report/claims.py)."""
     from kdrun.report import claims, claims_plan
 
+    started = time.time()
     known = claims_plan.chosen_settings(GLUE_CPU_RUNS)
     reused = set(known)
     current = None
+    warmed: set[str] = set()
     for claim, task, name in claims_plan.steps(args.tasks.split(",")):
+        if args.jobs > 1 and task not in warmed:
+            warm_teacher(args, task, out)
+            warmed.add(task)
         if claim != current:
             print(f"# claim: {claim}", flush=True)
             current = claim
@@ -468,7 +506,10 @@ def run_claims(args: argparse.Namespace, out: Path) -> int:
                   f"(docs/data/glue_cpu_runs.csv)", flush=True)
         overrides = claims_plan.merge_overrides(common_overrides(args, task), [f"objective={arm.objective}"],
                                                 [f"{k}={v}" for k, v in setting.items()], arm.overrides)
-        kdrun_multirun([*overrides, f"seed={args.seeds}"], out / "seeds" / task / name, args.dry_run)
+        kdrun_multirun([*overrides, *packed_overrides(args.jobs), f"seed={args.seeds}"],
+                       out / "seeds" / task / name, args.dry_run)
+        if not args.dry_run:
+            log_wall_time(out, started, args)
     grids = {k: len(args.grid_lr.split(",")) for k in set(known) - reused}
     print(claims_plan.cost_line(args.tasks.split(","), len(args.seeds.split(",")), grids), flush=True)
     if not args.dry_run:

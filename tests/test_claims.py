@@ -89,10 +89,10 @@ def test_every_run_of_the_recipe_composes(capsys, tmp_path: Path) -> None:
 def _run(root: Path, task: str, arm: str, seed: int, value: float, metric: str = "accuracy") -> Path:
     job = root / "seeds" / task / arm / str(seed)
     job.mkdir(parents=True)
-    cfg = {"seed": seed, "task": {"name": task, "main_metric": metric}, "train": {"lr": 3e-4}}
+    cfg = {"seed": seed, "task": {"name": task, "main_metric": metric}, "train": {"lr": 3e-4, "num_threads": 1}}
     (job / "results.json").write_text(json.dumps({
         "task": task, "objective": ARMS[arm].objective, "student": {"name": "s", "metrics": {"validation": {
-            metric: value / 100}}}, "config": cfg, "device": "cpu", "timings": {"total_s": 12.0}}))
+            metric: value / 100}}}, "config": cfg, "device": "cpu", "precision": "fp32", "timings": {"total_s": 12.0}}))
     return job
 
 
@@ -198,6 +198,8 @@ def test_the_docs_table_is_replaced_between_its_markers(tmp_path: Path) -> None:
     assert "old table" not in text and text.startswith("# Claims\n\nbefore") and text.endswith("after\n")
     assert "| CKD: components | sst2 | `ckd` > `ckd_no_wr` |" in text and "| reproduced | claims recipe |" in text
     assert len(runs.read_text().splitlines()) == 13  # header and 12 runs
+    assert ("**Measured:** 12 runs finished (cpu fp32; compute threads per run: 1); their run times sum to "
+            "0.04 hours; the recipe's wall time, teacher fine-tuning included, 0.00 hours") in text
 
 
 def test_cpu_estimate_and_order() -> None:
@@ -209,3 +211,38 @@ def test_cpu_estimate_and_order() -> None:
     order = [c for c, _, _ in steps]
     assert order == sorted(order, key=[c.key for c in CLAIMS].index)  # one claim at a time
     assert claims_plan.merge_overrides(["a=1", "b=2"], ["a=3"]) == ["a=3", "b=2"]
+
+
+def test_jobs_pack_each_arms_seeds_with_fixed_threads_after_warming_the_teacher(capsys, tmp_path: Path) -> None:
+    script = load_script("reproduce_glue")
+    argv = ["--glue", str(tmp_path / "glue"), "--recipe", "claims", "--tasks", "stsb", "--dry-run"]
+    assert script.main([*argv, "--jobs", "2"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("$ kdrun")]
+    assert lines[0].startswith("$ kdrun experiment=glue_cpu task=stsb") and "objective=logit" in lines[0]
+    assert sum("outputs/claims/teachers/stsb" in x for x in lines) == 1  # the teacher once, before any arm
+    assert all(x.startswith("$ kdrun -m ") for x in lines[1:])
+    for line in lines[1:]:
+        words = line.split()
+        assert {"launcher=packed", "hydra.launcher.jobs_at_once=2"} <= set(words)
+        assert next(w for w in words if w.startswith("train.num_threads=")) != "train.num_threads=0"
+    assert script.packed_overrides(1) == []
+    assert script.packed_overrides(3, cores=16)[-1] == "train.num_threads=5"
+    assert script.packed_overrides(4, cores=2)[-1] == "train.num_threads=1"
+    assert script.main(argv) == 0  # one job at a time: no teacher run, no packing
+    plain = [x for x in capsys.readouterr().out.splitlines() if x.startswith("$ kdrun")]
+    assert all(x.startswith("$ kdrun -m ") and "launcher=packed" not in x and "num_threads" not in x for x in plain)
+
+
+def test_wall_time_log_keeps_one_entry_per_invocation(tmp_path: Path) -> None:
+    import argparse
+    import time
+
+    script = load_script("reproduce_glue")
+    args = argparse.Namespace(tasks="stsb", jobs=2)
+    first, second = time.time() - 100, time.time() - 10
+    script.log_wall_time(tmp_path, first, args)
+    script.log_wall_time(tmp_path, first, args)  # the same invocation, later: replaced, not added
+    script.log_wall_time(tmp_path, second, args)
+    entries = json.loads((tmp_path / "wall_time.json").read_text())
+    assert len(entries) == 2 and entries[0]["seconds"] >= 100 and 10 <= entries[1]["seconds"] < 100
+    assert claims.wall_time(tmp_path) == pytest.approx(entries[0]["seconds"] + entries[1]["seconds"])

@@ -33,7 +33,7 @@ START, END = "<!-- claims table: start -->", "<!-- claims table: end -->"
 
 __all__ = ["ARMS", "CLAIMS", "Claim", "Row", "Stats", "load_arms", "glue_cpu_values", "row_stats", "verdict",
            "table_rows", "markdown_table", "arms_table", "not_testable_table", "replace_between_markers",
-           "runs_csv", "final_map_weights"]
+           "runs_csv", "final_map_weights", "wall_time", "cost_summary"]
 
 
 # ------------------------------------------------------------------------------------- reading runs
@@ -261,11 +261,34 @@ def runs_csv(out: Path) -> str:
     return buf.getvalue()
 
 
+def wall_time(out: Path) -> float:
+    """The recipe's wall time in seconds: the sum over its invocations (OUT/wall_time.json)."""
+    path = out / "wall_time.json"
+    return sum(e["seconds"] for e in json.loads(path.read_text())) if path.exists() else 0.0
+
+
+def cost_summary(out: Path) -> str:
+    """One line: the finished runs, their devices and precisions, their summed run time, the recipe's
+    wall time (every invocation) and the threads the runs used."""
+    runs = [r for by_seed in load_arms(out).values() for r in by_seed.values()]
+    if not runs:
+        return "**Measured:** no run of the recipe has finished yet."
+    results = [json.loads((r.path / "results.json").read_text()) for r in runs]
+    kinds = sorted({f"{x.get('device', '?')} {x.get('precision', '?')}" for x in results})
+    threads = sorted({str(r.flat.get("train.num_threads") or "auto") for r in runs})
+    run_s = sum((x.get("timings") or {}).get("total_s", 0.0) for x in results)
+    wall = wall_time(out)
+    return (f"**Measured:** {len(runs)} runs finished ({', '.join(kinds)}; compute threads per run: "
+            f"{', '.join(threads)}); their run times sum to {run_s / 3600:.2f} hours; the recipe's wall time, "
+            f"teacher fine-tuning included, {wall / 3600:.2f} hours over its invocations.")
+
+
 def write_report(out: Path, glue_cpu_csv: Path, docs: Path | None = None, runs_path: Path | None = None) -> str:
     """The claims table (markdown) into OUT/report, and into ``docs`` between its markers; the CSV of
     every run into OUT/report and ``runs_path``. Returns the table."""
     table = markdown_table(table_rows(out, glue_cpu_csv))
-    block = (f"{table}\n\n**The arms** (each on `experiment=glue_cpu`, seeds 1–6):\n\n{arms_table()}\n\n"
+    block = (f"{cost_summary(out)}\n\n{table}\n\n"
+             f"**The arms** (each on `experiment=glue_cpu`, seeds 1–6):\n\n{arms_table()}\n\n"
              f"**Not testable offline:**\n\n{not_testable_table()}")
     text = runs_csv(out)
     (out / "report").mkdir(parents=True, exist_ok=True)
