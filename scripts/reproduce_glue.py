@@ -128,6 +128,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="(task, objective) pipelines run at once (default 1; on a GPU several share the card: "
                         "each task's first objective runs alone first, so its teacher is fine-tuned once); "
                         "--recipe claims: each arm's seeds N at a time (launcher=packed, cores/N threads each)")
+    p.add_argument("--claims", default=None,
+                   help="--recipe claims: only the claims whose names start with these (comma-separated, any "
+                        "case, e.g. 'CKD,ALP'; names in docs/claims.md)")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--measure-lengths", action="store_true",
                    help="print the share of rows each max length would cut (per task and split) and exit")
@@ -137,6 +140,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.tasks = args.tasks or ",".join(recipe.tasks)
     args.grid_lr = args.grid_lr or recipe.grid_lr
     args.ckd_lambda = recipe.ckd_lambda if args.ckd_lambda is None else args.ckd_lambda
+    if args.claims and args.recipe != "claims":
+        p.error("--claims: only with --recipe claims")
     unknown = [t for t in args.tasks.split(",") if t not in GLUE_DIRS]
     if unknown:
         p.error(f"--tasks: unknown {', '.join(unknown)}; kdrun's GLUE tasks are {', '.join(GLUE_DIRS)}")
@@ -444,7 +449,7 @@ def claim_setting(args: argparse.Namespace, task: str, objective: str, out: Path
         return known[(task, objective)]
     points = grid(args, objective)
     kdrun_multirun([*common_overrides(args, task), f"objective={objective}",
-                    *(f"{k}={v}" for k, v in points.items()), f"seed={args.grid_seed}"],
+                    *(f"{k}={v}" for k, v in points.items()), *packed_overrides(args.jobs), f"seed={args.grid_seed}"],
                    out / "grid" / task / objective, args.dry_run)
     chosen = None if args.dry_run else choose(out / "grid" / task / objective, list(points))
     known[(task, objective)] = chosen["setting"] if chosen else {k: v.split(",")[0] for k, v in points.items()}
@@ -492,7 +497,8 @@ def run_claims(args: argparse.Namespace, out: Path) -> int:
     reused = set(known)
     current = None
     warmed: set[str] = set()
-    for claim, task, name in claims_plan.steps(args.tasks.split(",")):
+    only = args.claims.split(",") if args.claims else None
+    for claim, task, name in claims_plan.steps(args.tasks.split(","), only):
         if args.jobs > 1 and task not in warmed:
             warm_teacher(args, task, out)
             warmed.add(task)
@@ -511,7 +517,7 @@ def run_claims(args: argparse.Namespace, out: Path) -> int:
         if not args.dry_run:
             log_wall_time(out, started, args)
     grids = {k: len(args.grid_lr.split(",")) for k in set(known) - reused}
-    print(claims_plan.cost_line(args.tasks.split(","), len(args.seeds.split(",")), grids), flush=True)
+    print(claims_plan.cost_line(args.tasks.split(","), len(args.seeds.split(",")), grids, only), flush=True)
     if not args.dry_run:
         docs = REPO / "docs" / "claims.md"
         print(claims.write_report(out, GLUE_CPU_RUNS, docs, REPO / "docs" / "data" / "claims_runs.csv"))

@@ -246,3 +246,18 @@ def test_wall_time_log_keeps_one_entry_per_invocation(tmp_path: Path) -> None:
     entries = json.loads((tmp_path / "wall_time.json").read_text())
     assert len(entries) == 2 and entries[0]["seconds"] >= 100 and 10 <= entries[1]["seconds"] < 100
     assert claims.wall_time(tmp_path) == pytest.approx(entries[0]["seconds"] + entries[1]["seconds"])
+
+
+def test_claims_option_runs_only_the_named_claims(capsys, tmp_path: Path) -> None:
+    ckd_alp = claims_plan.steps(["stsb"], ["ckd", "ALP: smaller"])
+    assert {c for c, _, _ in ckd_alp} == {"CKD: components", "CKD: pair and angle", "ALP: smaller students"}
+    assert [s for s in claims_plan.steps(["stsb"]) if s[0] in {c for c, _, _ in ckd_alp}] == ckd_alp
+    assert claims_plan.steps(["stsb"], ["nothing like it"]) == []
+    script = load_script("reproduce_glue")
+    assert script.main(["--glue", str(tmp_path), "--recipe", "claims", "--tasks", "cola",
+                        "--claims", "tinybert study: kl", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert {x.split("/")[-1] for x in out.split() if x.startswith("hydra.sweep.dir=")} == {
+        "tinybert", "tb_kl", "tb", "tb_kl_half", "tb_half"}  # CoLA's grid for tinybert, then the four arms
+    with pytest.raises(SystemExit):
+        script.main(["--glue", str(tmp_path), "--recipe", "glue_cpu", "--claims", "ckd", "--dry-run"])

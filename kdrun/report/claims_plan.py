@@ -231,14 +231,21 @@ NOT_TESTABLE: tuple[tuple[str, str, str], ...] = (
 
 # ------------------------------------------------------------------------------------------ order
 
-def steps(tasks: list[str]) -> list[tuple[str, str, str]]:
+def selected(claim: Claim, prefixes: list[str] | None) -> bool:
+    """Whether ``claim`` is one the recipe runs and its key starts with one of ``prefixes`` (any case;
+    None: every claim)."""
+    return claim.source == "recipe" and (
+        prefixes is None or any(claim.key.lower().startswith(x.strip().lower()) for x in prefixes))
+
+
+def steps(tasks: list[str], claims: list[str] | None = None) -> list[tuple[str, str, str]]:
     """(claim, task, arm) in the order the recipe runs them: one claim at a time, every arm of its rows
     on each of its tasks, so each finished claim fills whole rows; an arm that an earlier claim ran
-    is not repeated."""
+    is not repeated. ``claims``: only the claims whose keys start with these."""
     seen: set[tuple[str, str]] = set()
     out = []
     for c in CLAIMS:
-        if c.source != "recipe":
+        if not selected(c, claims):
             continue
         for task in (t for t in c.tasks if t in tasks):
             for r in (r for r in c.rows if not r.tasks or task in r.tasks):
@@ -297,16 +304,18 @@ def run_cpu_seconds(task: str, arm: Arm, rows: int = 2000, epochs: int = 3, batc
     return sum(step_count * STEP_CPU_S * TASK_WEIGHT[task] * f for f in STAGE_FACTORS.get(arm.objective, (1.0,)))
 
 
-def estimate(tasks: list[str], seeds: int, grids: dict[tuple[str, str], int]) -> dict[str, float]:
+def estimate(tasks: list[str], seeds: int, grids: dict[tuple[str, str], int],
+             claims: list[str] | None = None) -> dict[str, float]:
     """CPU hours of the recipe: the seed runs of every step, and ``grids`` {(task, objective): grid points}
     (the grid runs of objectives the GLUE study did not choose a setting for)."""
-    seed_s = sum(seeds * run_cpu_seconds(t, ARMS[a]) for _, t, a in steps(tasks))
+    todo = steps(tasks, claims)
+    seed_s = sum(seeds * run_cpu_seconds(t, ARMS[a]) for _, t, a in todo)
     grid_s = sum(n * run_cpu_seconds(t, Arm(o)) for (t, o), n in grids.items())
-    return {"runs": len(steps(tasks)) * seeds + sum(grids.values()), "seed_hours": seed_s / 3600,
+    return {"runs": len(todo) * seeds + sum(grids.values()), "seed_hours": seed_s / 3600,
             "grid_hours": grid_s / 3600, "cpu_hours": (seed_s + grid_s) / 3600}
 
 
-def cost_line(tasks: list[str], seeds: int, grids: dict[tuple[str, str], int]) -> str:
-    cost = estimate(tasks, seeds, grids)
+def cost_line(tasks: list[str], seeds: int, grids: dict[tuple[str, str], int], claims: list[str] | None = None) -> str:
+    cost = estimate(tasks, seeds, grids, claims)
     return (f"[reproduce_glue] claims: {cost['runs']} runs, about {cost['cpu_hours']:.1f} CPU hours at the "
             "glue_cpu study's measured step costs (teachers not included)")
