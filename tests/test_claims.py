@@ -92,7 +92,7 @@ def _run(root: Path, task: str, arm: str, seed: int, value: float, metric: str =
     cfg = {"seed": seed, "task": {"name": task, "main_metric": metric}, "train": {"lr": 3e-4, "num_threads": 1}}
     (job / "results.json").write_text(json.dumps({
         "task": task, "objective": ARMS[arm].objective, "student": {"name": "s", "metrics": {"validation": {
-            metric: value / 100}}}, "config": cfg, "device": "cpu", "precision": "fp32", "timings": {"total_s": 12.0}}))
+            metric: value / 100}}}, "config": cfg, "device": "cpu", "precision": "no", "timings": {"total_s": 12.0}}))
     return job
 
 

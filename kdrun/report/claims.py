@@ -29,6 +29,7 @@ from kdrun.report.significance import min_detectable_effect, paired_t_p, sign_fl
 MIN_SEEDS = 6
 ALPHA = 0.05
 SAME_WEIGHTS = 0.05  # "the same values": final weights of the two initialisations within this, every seed
+PRECISION_NAMES = {"no": "fp32"}  # train.precision=no: no mixed precision
 START, END = "<!-- claims table: start -->", "<!-- claims table: end -->"
 
 __all__ = ["ARMS", "CLAIMS", "Claim", "Row", "Stats", "load_arms", "glue_cpu_values", "row_stats", "verdict",
@@ -274,7 +275,8 @@ def cost_summary(out: Path) -> str:
     if not runs:
         return "**Measured:** no run of the recipe has finished yet."
     results = [json.loads((r.path / "results.json").read_text()) for r in runs]
-    kinds = sorted({f"{x.get('device', '?')} {x.get('precision', '?')}" for x in results})
+    kinds = sorted({f"{x.get('device', '?')} {PRECISION_NAMES.get(x.get('precision'), x.get('precision', '?'))}"
+                    for x in results})
     threads = sorted({str(r.flat.get("train.num_threads") or "auto") for r in runs})
     run_s = sum((x.get("timings") or {}).get("total_s", 0.0) for x in results)
     wall = wall_time(out)
