@@ -22,7 +22,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from kdrun.report.claims_plan import ARMS, CLAIMS, NOT_TESTABLE, Claim, Row, glue_cpu_seed_rows, steps
+from kdrun.report.claims_plan import ARMS, CLAIMS, NOT_TESTABLE, Claim, Row, glue_cpu_seed_rows, run_cpu_seconds, steps
 from kdrun.report.results import RunRecord, collect
 from kdrun.report.significance import min_detectable_effect, paired_t_p, sign_flip_p
 
@@ -34,7 +34,7 @@ START, END = "<!-- claims table: start -->", "<!-- claims table: end -->"
 
 __all__ = ["ARMS", "CLAIMS", "Claim", "Row", "Stats", "load_arms", "glue_cpu_values", "row_stats", "verdict",
            "table_rows", "markdown_table", "arms_table", "not_testable_table", "replace_between_markers",
-           "runs_csv", "final_map_weights", "wall_time", "cost_summary"]
+           "runs_csv", "final_map_weights", "wall_time", "cost_summary", "cost_table"]
 
 
 # ------------------------------------------------------------------------------------- reading runs
@@ -285,13 +285,42 @@ def cost_summary(out: Path) -> str:
             f"teacher fine-tuning included, {wall / 3600:.2f} hours over its invocations.")
 
 
+def _run_seconds(run: RunRecord) -> float:
+    return (json.loads((run.path / "results.json").read_text()).get("timings") or {}).get("total_s", 0.0)
+
+
+def cost_table(out: Path, tasks: tuple[str, ...] = ("cola", "sst2", "stsb"), seeds: int = MIN_SEEDS) -> str:
+    """Per claim: the seed runs planned and finished, the CPU hours estimated for all of them
+    (claims_plan.run_cpu_seconds) and the run hours measured for the finished ones, with the
+    estimate for those same runs beside it (a run of one compute thread takes about its CPU time)."""
+    runs = load_arms(out)
+    by_claim: dict[str, list[float]] = {}
+    for claim, task, arm in steps(list(tasks)):
+        done = runs.get((task, arm), {})
+        est = run_cpu_seconds(task, ARMS[arm])
+        row = by_claim.setdefault(claim, [0, 0, 0.0, 0.0, 0.0])
+        row[0] += seeds
+        row[1] += len(done)
+        row[2] += seeds * est
+        row[3] += sum(_run_seconds(r) for r in done.values())
+        row[4] += len(done) * est
+    lines = ["| claim | seed runs | finished | estimated CPU hours, all | measured run hours, finished "
+             "| estimated, finished |", "|---|---:|---:|---:|---:|---:|"]
+    for claim, (planned, done, est, measured, est_done) in by_claim.items():
+        lines.append(f"| {claim} | {planned} | {done} | {est / 3600:.2f} | "
+                     f"{measured / 3600:.2f} | {est_done / 3600:.2f} |" if done else
+                     f"| {claim} | {planned} | 0 | {est / 3600:.2f} | — | — |")
+    return "\n".join(lines)
+
+
 def write_report(out: Path, glue_cpu_csv: Path, docs: Path | None = None, runs_path: Path | None = None) -> str:
     """The claims table (markdown) into OUT/report, and into ``docs`` between its markers; the CSV of
     every run into OUT/report and ``runs_path``. Returns the table."""
     table = markdown_table(table_rows(out, glue_cpu_csv))
     block = (f"{cost_summary(out)}\n\n{table}\n\n"
              f"**The arms** (each on `experiment=glue_cpu`, seeds 1–6):\n\n{arms_table()}\n\n"
-             f"**Not testable offline:**\n\n{not_testable_table()}")
+             f"**Not testable offline:**\n\n{not_testable_table()}\n\n"
+             f"**Cost**, estimated and measured (seed runs; grid runs and teachers not included):\n\n{cost_table(out)}")
     text = runs_csv(out)
     (out / "report").mkdir(parents=True, exist_ok=True)
     (out / "report" / "claims_table.md").write_text(table + "\n")
