@@ -45,6 +45,7 @@ report's ``runs.csv`` lists every finished run.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import os
@@ -94,6 +95,7 @@ RECIPES = {
 }
 REPO = Path(__file__).resolve().parents[1]
 GLUE_CPU_RUNS = REPO / "docs" / "data" / "glue_cpu_runs.csv"
+CLAIMS_RUNS = REPO / "docs" / "data" / "claims_runs.csv"  # every run of the claims recipe so far
 # The finetune criterion of the glue_cpu study: (kind, value) per task, on the task's main metric.
 CRITERIA = {"sst2": ("of_teacher", 0.90), "mrpc": ("of_teacher", 0.90), "stsb": ("at_least", 0.70),
             "cola": ("above_zero", None)}
@@ -131,6 +133,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--claims", default=None,
                    help="--recipe claims: only the claims whose names start with these (comma-separated, any "
                         "case, e.g. 'CKD,ALP'; names in docs/claims.md)")
+    p.add_argument("--ignore-recorded", action="store_true",
+                   help="--recipe claims: rerun arms whose seeds docs/data/claims_runs.csv records, and build the "
+                        "table from this run's directories alone")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--measure-lengths", action="store_true",
                    help="print the share of rows each max length would cut (per task and split) and exit")
@@ -476,6 +481,17 @@ def warm_teacher(args: argparse.Namespace, task: str, out: Path) -> None:
         print(f"[reproduce_glue] the teacher run for {task} failed; the arms will fine-tune it", flush=True)
 
 
+def recorded_seeds(path: Path) -> dict[tuple[str, str], set[int]]:
+    """{(task, arm): seeds} of the runs the claims CSV records (made before, maybe on another machine)."""
+    if not path.exists():
+        return {}
+    out: dict[tuple[str, str], set[int]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            out.setdefault((row["task"], row["arm"]), set()).add(int(row["seed"]))
+    return out
+
+
 def log_wall_time(out: Path, started: float, args: argparse.Namespace) -> None:
     """This invocation's wall time so far in OUT/wall_time.json (one entry per invocation, rewritten
     after every step, so an interrupted invocation still counts up to its last finished step)."""
@@ -498,7 +514,14 @@ def run_claims(args: argparse.Namespace, out: Path) -> int:
     current = None
     warmed: set[str] = set()
     only = args.claims.split(",") if args.claims else None
+    recorded = {} if args.ignore_recorded else recorded_seeds(CLAIMS_RUNS)
+    wanted = {int(x) for x in args.seeds.split(",")}
     for claim, task, name in claims_plan.steps(args.tasks.split(","), only):
+        if wanted <= recorded.get((task, name), set()) and not (out / "seeds" / task / name).exists():
+            print(f"# {task} {name}: seeds {args.seeds} recorded in docs/data/claims_runs.csv; a run skips "
+                  "them (--ignore-recorded reruns them)", flush=True)
+            if not args.dry_run:
+                continue
         if args.jobs > 1 and task not in warmed:
             warm_teacher(args, task, out)
             warmed.add(task)
@@ -520,7 +543,7 @@ def run_claims(args: argparse.Namespace, out: Path) -> int:
     print(claims_plan.cost_line(args.tasks.split(","), len(args.seeds.split(",")), grids, only), flush=True)
     if not args.dry_run:
         docs = REPO / "docs" / "claims.md"
-        print(claims.write_report(out, GLUE_CPU_RUNS, docs, REPO / "docs" / "data" / "claims_runs.csv"))
+        print(claims.write_report(out, GLUE_CPU_RUNS, docs, None if args.ignore_recorded else CLAIMS_RUNS))
     return 0
 
 

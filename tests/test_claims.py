@@ -183,7 +183,8 @@ def test_learnt_weights_agree_or_not(tmp_path: Path) -> None:
     assert "largest gap 0.010 ± 0.000 (n=6)" in r["measured"] and "s1/t1 0.30, s1/t2 0.70" in r["measured"]
     r = rows[("TinyBERT study: learnt weights", "stsb", "tb_learn_u", "tb_learn_l")]
     assert r["verdict"] == "not reproduced: gap up to 0.310 (start 0.381)"
-    assert json.loads(claims.runs_csv(out).splitlines()[1].split(",", 12)[-1].strip('"').replace('""', '"'))
+    assert json.loads(claims.runs_csv(claims.measured_runs(out)).splitlines()[1].split(",", 13)[-1]
+                      .strip('"').replace('""', '"'))
 
 
 def test_the_docs_table_is_replaced_between_its_markers(tmp_path: Path) -> None:
@@ -264,3 +265,49 @@ def test_claims_option_runs_only_the_named_claims(capsys, tmp_path: Path) -> Non
         "tinybert", "tb_kl", "tb", "tb_kl_half", "tb_half"}  # CoLA's grid for tinybert, then the four arms
     with pytest.raises(SystemExit):
         script.main(["--glue", str(tmp_path), "--recipe", "glue_cpu", "--claims", "ckd", "--dry-run"])
+
+
+def test_the_recorded_csv_keeps_the_rows_of_runs_made_elsewhere(tmp_path: Path) -> None:
+    """The committed CSV stands for runs whose directories are gone (another machine): the table from
+    it alone equals the table from the runs; a run directory wins over the CSV for its seed."""
+    out, docs, recorded = tmp_path / "claims", tmp_path / "claims.md", tmp_path / "runs.csv"
+    _arm(out, "sst2", "ckd", [80.5, 81.0, 81.5, 81.0, 80.5, 81.5])
+    _arm(out, "sst2", "ckd_no_wr", [80.0] * 6)
+    for job in _arm(out, "cola", "tb_learn_u", [30.0] * 6, "matthews_correlation"):
+        _weights(job, 0.30)
+    for job in _arm(out, "cola", "tb_learn_l", [30.0] * 6, "matthews_correlation"):
+        _weights(job, 0.32)
+    table = claims.write_report(out, tmp_path / "absent.csv", docs, recorded)
+    elsewhere = tmp_path / "fresh"
+    assert claims.write_report(elsewhere, tmp_path / "absent.csv", None, recorded) == table
+    assert "largest gap 0.020 ± 0.000 (n=6)" in table and "| +1.00 ± 0.45 (n=6) |" in table
+    assert recorded.read_text() == (elsewhere / "report" / "claims_runs.csv").read_text()
+    _run(elsewhere, "sst2", "ckd_no_wr", 1, 90.0)  # seed 1 rerun here: it replaces the recorded one
+    runs = claims.measured_runs(elsewhere, recorded)
+    assert runs[("sst2", "ckd_no_wr")][1].dev == 90.0 and runs[("sst2", "ckd_no_wr")][2].dev == 80.0
+    assert len(runs[("sst2", "ckd")]) == 6 and runs[("sst2", "ckd")][3].threads == "1"
+    assert "**Measured:** 24 runs finished" in claims.cost_summary(runs, elsewhere)
+
+
+def test_the_recipe_skips_arms_the_csv_records_but_its_dry_run_lists_them(capsys, tmp_path: Path, monkeypatch) -> None:
+    script = load_script("reproduce_glue")
+    recorded = tmp_path / "claims_runs.csv"
+    recorded.write_text(",".join(claims.CSV_FIELDS) + "\n" + "".join(
+        f"stsb,ckd_no_wr,ckd,,{s},0.0003,0.1,pearson,76.0,cpu,no,1,110.0,\n" for s in SEEDS))
+    monkeypatch.setattr(script, "CLAIMS_RUNS", recorded)
+    assert script.recorded_seeds(recorded) == {("stsb", "ckd_no_wr"): set(SEEDS)}
+    called = []
+    monkeypatch.setattr(script, "kdrun_multirun", lambda o, sweep, dry: called.append(sweep.name))
+    monkeypatch.setattr(script, "log_wall_time", lambda *a: None)
+    monkeypatch.setattr(script.subprocess, "call", lambda *a, **k: 0)
+    monkeypatch.setattr(script, "REPO", tmp_path)  # the report writes under tmp_path/docs
+    (tmp_path / "docs").mkdir()
+    argv = ["--glue", str(tmp_path), "--recipe", "claims", "--tasks", "stsb", "--claims", "ckd: comp",
+            "--out", str(tmp_path / "out")]
+    assert script.main(argv) == 0
+    assert called == ["ckd", "ckd_no_ltr", "ckd_no_both"]  # ckd_no_wr: recorded
+    assert "stsb ckd_no_wr: seeds 1,2,3,4,5,6 recorded" in capsys.readouterr().out
+    called.clear()
+    assert script.main([*argv, "--dry-run"]) == 0 and called == ["ckd", "ckd_no_wr", "ckd_no_ltr", "ckd_no_both"]
+    called.clear()
+    assert script.main([*argv, "--ignore-recorded"]) == 0 and "ckd_no_wr" in called

@@ -9,8 +9,10 @@ the mean ± sd of the paired differences (dev score x100), the exact two-sided s
 paired t-test (kdrun.report.significance, as kdrun-report), the minimal detectable effect
 MDE = (t_{1-α/2, n-1} + t_{0.8, n-1}) · sd / √n (α = 0.05, power 0.8), and a verdict.
 
-Runs are read from ``OUT/seeds/<task>/<arm>`` (the recipe's multiruns); rows whose source is
-``glue_cpu`` read the GLUE study's seed runs from docs/data/glue_cpu_runs.csv instead.
+Runs are read from ``OUT/seeds/<task>/<arm>`` (the recipe's multiruns), and for the seeds missing
+there from the CSV the report writes (docs/data/claims_runs.csv), so runs made on another machine
+keep their rows; rows whose source is ``glue_cpu`` read the GLUE study's seed runs from
+docs/data/glue_cpu_runs.csv instead.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from kdrun.report.claims_plan import ARMS, CLAIMS, NOT_TESTABLE, Claim, Row, glue_cpu_seed_rows, run_cpu_seconds, steps
 from kdrun.report.results import RunRecord, collect
 from kdrun.report.significance import min_detectable_effect, paired_t_p, sign_flip_p
+from kdrun.runtime.cache import write_text_atomic
 
 MIN_SEEDS = 6
 ALPHA = 0.05
@@ -32,12 +35,59 @@ SAME_WEIGHTS = 0.05  # "the same values": final weights of the two initialisatio
 PRECISION_NAMES = {"no": "fp32"}  # train.precision=no: no mixed precision
 START, END = "<!-- claims table: start -->", "<!-- claims table: end -->"
 
-__all__ = ["ARMS", "CLAIMS", "Claim", "Row", "Stats", "load_arms", "glue_cpu_values", "row_stats", "verdict",
-           "table_rows", "markdown_table", "arms_table", "not_testable_table", "replace_between_markers",
-           "runs_csv", "final_map_weights", "wall_time", "cost_summary", "cost_table"]
+__all__ = ["ARMS", "CLAIMS", "Claim", "Row", "Stats", "Measured", "measured_runs", "load_arms", "glue_cpu_values",
+           "row_stats", "verdict", "table_rows", "markdown_table", "arms_table", "not_testable_table",
+           "replace_between_markers", "runs_csv", "final_map_weights", "wall_time", "cost_summary", "cost_table"]
 
 
 # ------------------------------------------------------------------------------------- reading runs
+
+CSV_FIELDS = ("task", "arm", "objective", "overrides", "seed", "lr", "lambda_ckd", "metric", "dev", "device",
+              "precision", "threads", "run_seconds", "map_weights")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One finished seed run of an arm as the table, the cost lines and the CSV use it: read from its
+    run directory, or from the CSV that recorded it (docs/data/claims_runs.csv: runs made elsewhere)."""
+
+    task: str
+    arm: str
+    seed: int
+    objective: str
+    dev: float  # the main dev metric x100
+    metric: str = ""
+    lr: str = ""
+    lambda_ckd: str = ""
+    device: str = ""
+    precision: str = ""
+    threads: str = ""
+    run_seconds: float = 0.0
+    weights: tuple[tuple[str, float], ...] = ()  # a learnable map's final weights, sorted by key
+
+    def csv_row(self) -> list[str]:
+        spec = ARMS.get(self.arm)
+        return [self.task, self.arm, self.objective, " ".join(spec.overrides) if spec else "", str(self.seed),
+                self.lr, self.lambda_ckd, self.metric, f"{self.dev:.2f}", self.device, self.precision,
+                self.threads, str(round(self.run_seconds, 1)),
+                json.dumps(dict(self.weights), sort_keys=True) if self.weights else ""]
+
+
+def from_run(task: str, arm: str, r: RunRecord) -> Measured:
+    res = json.loads((r.path / "results.json").read_text())
+    lr, lam, threads = (r.flat.get(k) for k in ("train.lr", "objective.params.lambda_ckd", "train.num_threads"))
+    return Measured(task, arm, r.seed, r.objective, 100.0 * r.value, r.metric, "" if lr is None else str(lr),
+                    "" if lam is None else str(lam), res.get("device", ""), res.get("precision", ""),
+                    "auto" if threads is None else str(threads), (res.get("timings") or {}).get("total_s", 0.0),
+                    tuple(sorted(final_map_weights(r.path).items())))
+
+
+def from_csv_row(row: dict[str, str]) -> Measured:
+    weights = json.loads(row["map_weights"]) if row.get("map_weights") else {}
+    return Measured(row["task"], row["arm"], int(row["seed"]), row["objective"], float(row["dev"]), row["metric"],
+                    row["lr"], row["lambda_ckd"], row["device"], row["precision"], row.get("threads", ""),
+                    float(row["run_seconds"] or 0.0), tuple(sorted(weights.items())))
+
 
 def load_arms(out: Path) -> dict[tuple[str, str], dict[int, RunRecord]]:
     """{(task, arm): {seed: run}} from ``out/seeds/<task>/<arm>`` (the latest run of a seed wins)."""
@@ -52,6 +102,20 @@ def load_arms(out: Path) -> dict[tuple[str, str], dict[int, RunRecord]]:
     return found
 
 
+Runs = dict[tuple[str, str], dict[int, Measured]]
+
+
+def measured_runs(out: Path, recorded: Path | None = None) -> Runs:
+    """{(task, arm): {seed: Measured}}: the runs under ``out``, and for the seeds they lack, the runs
+    the CSV ``recorded`` holds (so a study continued on another machine keeps the rows it had)."""
+    found = {k: {s: from_run(*k, r) for s, r in v.items()} for k, v in load_arms(out).items()}
+    if recorded is not None and recorded.exists():
+        with open(recorded, newline="") as f:
+            for m in map(from_csv_row, csv.DictReader(f)):
+                found.setdefault((m.task, m.arm), {}).setdefault(m.seed, m)
+    return found
+
+
 def glue_cpu_values(csv_path: Path) -> dict[tuple[str, str], dict[int, float]]:
     """{(task, objective): {seed: dev x100}} of the GLUE study's seed runs (its runs.csv)."""
     out: dict[tuple[str, str], dict[int, float]] = {}
@@ -60,8 +124,8 @@ def glue_cpu_values(csv_path: Path) -> dict[tuple[str, str], dict[int, float]]:
     return out
 
 
-def values_of(runs: dict[tuple[str, str], dict[int, RunRecord]]) -> dict[tuple[str, str], dict[int, float]]:
-    return {k: {s: 100.0 * r.value for s, r in v.items()} for k, v in runs.items()}
+def values_of(runs: Runs) -> dict[tuple[str, str], dict[int, float]]:
+    return {k: {s: m.dev for s, m in v.items()} for k, v in runs.items()}
 
 
 def side(values: dict[tuple[str, str], dict[int, float]], task: str, spec: str) -> dict[int, float]:
@@ -143,13 +207,13 @@ def final_map_weights(run_dir: Path) -> dict[str, float]:
     return last
 
 
-def weights_row(runs: dict[tuple[str, str], dict[int, RunRecord]], task: str, row: Row) -> tuple[str, str]:
+def weights_row(runs: Runs, task: str, row: Row) -> tuple[str, str]:
     """(measured, verdict) of a ``weights`` row: per seed the largest gap between the two arms' final
     weights; reproduced when every seed's gap is below SAME_WEIGHTS."""
     a, b = runs.get((task, row.a), {}), runs.get((task, row.b), {})
     gaps = []
     for s in sorted(set(a) & set(b)):
-        wa, wb = final_map_weights(a[s].path), final_map_weights(b[s].path)
+        wa, wb = dict(a[s].weights), dict(b[s].weights)
         if wa and set(wa) == set(wb):
             gaps.append(max(abs(wa[k] - wb[k]) for k in wa))
     if len(gaps) < MIN_SEEDS:
@@ -161,9 +225,9 @@ def weights_row(runs: dict[tuple[str, str], dict[int, RunRecord]], task: str, ro
     return measured, f"not reproduced: gap up to {max(gaps):.3f} (start {row.delta_for(task) or 0:.3f})"
 
 
-def weights_cell(runs: dict[tuple[str, str], dict[int, RunRecord]], task: str, arm: str) -> str:
+def weights_cell(runs: Runs, task: str, arm: str) -> str:
     """The mean final weights of an arm's runs, for the table ('s1/t1 0.42, ...')."""
-    per = [final_map_weights(r.path) for r in runs.get((task, arm), {}).values()]
+    per = [dict(m.weights) for m in runs.get((task, arm), {}).values()]
     per = [w for w in per if w]
     if not per:
         return ""
@@ -177,9 +241,9 @@ def _label(spec: str) -> str:
     return " − ".join(f"`{x}`" for x in spec.split("-"))
 
 
-def table_rows(out: Path, glue_cpu_csv: Path) -> list[dict[str, str]]:
+def table_rows(out: Path, glue_cpu_csv: Path, recorded: Path | None = None) -> list[dict[str, str]]:
     """One dict per (claim, task, row): what the paper says, what kdrun measured, and the verdict."""
-    runs = load_arms(out)
+    runs = measured_runs(out, recorded)
     mine, theirs = values_of(runs), glue_cpu_values(glue_cpu_csv)
     rows = []
     for c in CLAIMS:
@@ -242,23 +306,15 @@ def replace_between_markers(text: str, block: str) -> str:
     return f"{head}{START}\n{block}\n{END}{rest.split(END, 1)[1]}"
 
 
-def runs_csv(out: Path) -> str:
-    """Every finished run of the recipe: task, arm, its overrides, seed, setting, dev score, seconds,
-    and a learnable map's final weights."""
+def runs_csv(runs: Runs) -> str:
+    """Every finished run: task, arm, its overrides, seed, setting, dev score, device, precision,
+    threads, seconds, and a learnable map's final weights."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["task", "arm", "objective", "overrides", "seed", "lr", "lambda_ckd", "metric", "dev", "device",
-                "precision", "run_seconds", "map_weights"])
-    for (task, arm), by_seed in sorted(load_arms(out).items()):
-        spec = ARMS.get(arm)
-        for seed, r in sorted(by_seed.items()):
-            res = json.loads((r.path / "results.json").read_text())
-            weights = final_map_weights(r.path)
-            w.writerow([task, arm, r.objective, " ".join(spec.overrides) if spec else "", seed,
-                        r.flat.get("train.lr"), r.flat.get("objective.params.lambda_ckd", ""), r.metric,
-                        f"{100 * r.value:.2f}", res.get("device", ""), res.get("precision", ""),
-                        round((res.get("timings") or {}).get("total_s", 0.0), 1),
-                        json.dumps(weights, sort_keys=True) if weights else ""])
+    w.writerow(CSV_FIELDS)
+    for key in sorted(runs):
+        for seed in sorted(runs[key]):
+            w.writerow(runs[key][seed].csv_row())
     return buf.getvalue()
 
 
@@ -268,67 +324,59 @@ def wall_time(out: Path) -> float:
     return sum(e["seconds"] for e in json.loads(path.read_text())) if path.exists() else 0.0
 
 
-def cost_summary(out: Path) -> str:
-    """One line: the finished runs, their devices and precisions, their summed run time, the recipe's
-    wall time (every invocation) and the threads the runs used."""
-    runs = [r for by_seed in load_arms(out).values() for r in by_seed.values()]
-    if not runs:
+def cost_summary(runs: Runs, out: Path) -> str:
+    """One line: the finished runs, their devices and precisions, the threads they used, their
+    summed run time, and the recipe's wall time (every invocation under ``out``)."""
+    every = [m for by_seed in runs.values() for m in by_seed.values()]
+    if not every:
         return "**Measured:** no run of the recipe has finished yet."
-    results = [json.loads((r.path / "results.json").read_text()) for r in runs]
-    kinds = sorted({f"{x.get('device', '?')} {PRECISION_NAMES.get(x.get('precision'), x.get('precision', '?'))}"
-                    for x in results})
-    threads = sorted({str(r.flat.get("train.num_threads") or "auto") for r in runs})
-    run_s = sum((x.get("timings") or {}).get("total_s", 0.0) for x in results)
-    wall = wall_time(out)
-    return (f"**Measured:** {len(runs)} runs finished ({', '.join(kinds)}; compute threads per run: "
+    kinds = sorted({f"{m.device or '?'} {PRECISION_NAMES.get(m.precision, m.precision or '?')}" for m in every})
+    threads = sorted({m.threads or "?" for m in every})
+    run_s = sum(m.run_seconds for m in every)
+    return (f"**Measured:** {len(every)} runs finished ({', '.join(kinds)}; compute threads per run: "
             f"{', '.join(threads)}); their run times sum to {run_s / 3600:.2f} hours; the recipe's wall time, "
-            f"teacher fine-tuning included, {wall / 3600:.2f} hours over its invocations.")
+            f"teacher fine-tuning included, {wall_time(out) / 3600:.2f} hours over its invocations.")
 
 
-def _run_seconds(run: RunRecord) -> float:
-    return (json.loads((run.path / "results.json").read_text()).get("timings") or {}).get("total_s", 0.0)
-
-
-def cost_table(out: Path, tasks: tuple[str, ...] = ("cola", "sst2", "stsb"), seeds: int = MIN_SEEDS) -> str:
+def cost_table(runs: Runs, tasks: tuple[str, ...] = ("cola", "sst2", "stsb"), seeds: int = MIN_SEEDS) -> str:
     """Per claim: the seed runs planned and finished, the CPU hours estimated for all of them
     (claims_plan.run_cpu_seconds) and the run hours measured for the finished ones, with the
     estimate for those same runs beside it (a run of one compute thread takes about its CPU time)."""
-    runs = load_arms(out)
     by_claim: dict[str, list[float]] = {}
     for claim, task, arm in steps(list(tasks)):
         done = runs.get((task, arm), {})
         est = run_cpu_seconds(task, ARMS[arm])
         row = by_claim.setdefault(claim, [0, 0, 0.0, 0.0, 0.0])
-        row[0] += seeds
-        row[1] += len(done)
-        row[2] += seeds * est
-        row[3] += sum(_run_seconds(r) for r in done.values())
-        row[4] += len(done) * est
+        for i, v in enumerate((seeds, len(done), seeds * est, sum(m.run_seconds for m in done.values()),
+                               len(done) * est)):
+            row[i] += v
     lines = ["| claim | seed runs | finished | estimated CPU hours, all | measured run hours, finished "
              "| estimated, finished |", "|---|---:|---:|---:|---:|---:|"]
     for claim, (planned, done, est, measured, est_done) in by_claim.items():
-        lines.append(f"| {claim} | {planned} | {done} | {est / 3600:.2f} | "
-                     f"{measured / 3600:.2f} | {est_done / 3600:.2f} |" if done else
-                     f"| {claim} | {planned} | 0 | {est / 3600:.2f} | — | — |")
+        tail = f"{measured / 3600:.2f} | {est_done / 3600:.2f}" if done else "— | —"
+        lines.append(f"| {claim} | {planned} | {done} | {est / 3600:.2f} | {tail} |")
     return "\n".join(lines)
 
 
 def write_report(out: Path, glue_cpu_csv: Path, docs: Path | None = None, runs_path: Path | None = None) -> str:
     """The claims table (markdown) into OUT/report, and into ``docs`` between its markers; the CSV of
-    every run into OUT/report and ``runs_path``. Returns the table."""
-    table = markdown_table(table_rows(out, glue_cpu_csv))
-    block = (f"{cost_summary(out)}\n\n{table}\n\n"
+    every run into OUT/report and ``runs_path``, which also supplies the seeds OUT lacks (runs made
+    elsewhere before). Returns the table."""
+    runs = measured_runs(out, runs_path)
+    table = markdown_table(table_rows(out, glue_cpu_csv, runs_path))
+    block = (f"{cost_summary(runs, out)}\n\n{table}\n\n"
              f"**The arms** (each on `experiment=glue_cpu`, seeds 1–6):\n\n{arms_table()}\n\n"
              f"**Not testable offline:**\n\n{not_testable_table()}\n\n"
-             f"**Cost**, estimated and measured (seed runs; grid runs and teachers not included):\n\n{cost_table(out)}")
-    text = runs_csv(out)
+             f"**Cost**, estimated and measured (seed runs; grid runs and teachers not included):\n\n"
+             f"{cost_table(runs)}")
+    text = runs_csv(runs)
     (out / "report").mkdir(parents=True, exist_ok=True)
-    (out / "report" / "claims_table.md").write_text(table + "\n")
-    (out / "report" / "claims_runs.csv").write_text(text)
+    write_text_atomic(out / "report" / "claims_table.md", table + "\n")
+    write_text_atomic(out / "report" / "claims_runs.csv", text)
     if docs is not None:
-        docs.write_text(replace_between_markers(docs.read_text() if docs.exists() else "", block))
+        write_text_atomic(docs, replace_between_markers(docs.read_text() if docs.exists() else "", block))
     if runs_path is not None:
-        runs_path.write_text(text)
+        write_text_atomic(runs_path, text)
     return table
 
 
