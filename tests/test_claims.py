@@ -204,6 +204,8 @@ def test_the_docs_table_is_replaced_between_its_markers(tmp_path: Path) -> None:
     est = 12 * 189 * 0.9 * 0.25 * 1.47 / 3600  # 12 SST-2 runs of ckd's cost, estimated
     assert f"| CKD: components | 48 | 12 | 1.25 | 0.04 | {est:.2f} |" in text
     assert "| CKD: pair and angle | 24 | 0 | 0.63 | — | — |" in text
+    assert "| sst2 | `ckd` | accuracy | 6 | 81.00 ± 0.45 |" in text
+    assert "| sst2 | `ckd_no_wr` | accuracy | 6 | 80.00 ± 0.00 |" in text
 
 
 def test_cpu_estimate_and_order() -> None:

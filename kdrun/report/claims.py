@@ -37,7 +37,8 @@ START, END = "<!-- claims table: start -->", "<!-- claims table: end -->"
 
 __all__ = ["ARMS", "CLAIMS", "Claim", "Row", "Stats", "Measured", "measured_runs", "load_arms", "glue_cpu_values",
            "row_stats", "verdict", "table_rows", "markdown_table", "arms_table", "not_testable_table",
-           "replace_between_markers", "runs_csv", "final_map_weights", "wall_time", "cost_summary", "cost_table"]
+           "replace_between_markers", "runs_csv", "final_map_weights", "wall_time", "cost_summary", "cost_table",
+           "arm_scores_table"]
 
 
 # ------------------------------------------------------------------------------------- reading runs
@@ -318,6 +319,17 @@ def runs_csv(runs: Runs) -> str:
     return buf.getvalue()
 
 
+def arm_scores_table(runs: Runs) -> str:
+    """Every arm's dev score per task: mean ± sd over its seeds (x100, the task's main metric)."""
+    lines = ["| task | arm | metric | n | dev, mean ± sd |", "|---|---|---|---:|---|"]
+    for (task, arm), by_seed in sorted(runs.items()):
+        v = [m.dev for m in by_seed.values()]
+        sd = f"{statistics.stdev(v):.2f}" if len(v) > 1 else "—"
+        metric = next(iter(by_seed.values())).metric
+        lines.append(f"| {task} | `{arm}` | {metric} | {len(v)} | {statistics.fmean(v):.2f} ± {sd} |")
+    return "\n".join(lines)
+
+
 def wall_time(out: Path) -> float:
     """The recipe's wall time in seconds: the sum over its invocations (OUT/wall_time.json)."""
     path = out / "wall_time.json"
@@ -365,6 +377,7 @@ def write_report(out: Path, glue_cpu_csv: Path, docs: Path | None = None, runs_p
     runs = measured_runs(out, runs_path)
     table = markdown_table(table_rows(out, glue_cpu_csv, runs_path))
     block = (f"{cost_summary(runs, out)}\n\n{table}\n\n"
+             f"**Every arm's dev score** (main metric x100, mean ± sd over its seeds):\n\n{arm_scores_table(runs)}\n\n"
              f"**The arms** (each on `experiment=glue_cpu`, seeds 1–6):\n\n{arms_table()}\n\n"
              f"**Not testable offline:**\n\n{not_testable_table()}\n\n"
              f"**Cost**, estimated and measured (seed runs; grid runs and teachers not included):\n\n"
