@@ -48,7 +48,6 @@ import argparse
 import csv
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -58,6 +57,7 @@ from typing import Callable, NamedTuple
 
 from kdrun.report.cli import collect
 from kdrun.runtime.cache import write_json_atomic, write_text_atomic
+from kdrun.runtime.packing import usable_cores
 
 # kdrun's GLUE tasks (conf/task/<name>.yaml) and their directories in the classic GLUE TSV layout
 GLUE_DIRS = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "stsb": "STS-B", "rte": "RTE", "qnli": "QNLI",
@@ -400,7 +400,6 @@ def versus_logit_lines(seeds_dir: Path) -> list[str]:
 def runs_csv(out: Path) -> str:
     """One row per finished run of the study (grid and seeds): its setting, dev score, teacher's
     score, device, precision and seconds, so every number of the report can be checked."""
-    import csv
     import io
 
     buf = io.StringIO()
@@ -466,7 +465,7 @@ def packed_overrides(jobs: int, cores: int | None = None) -> list[str]:
     the cores / N threads: fixed, so a run's result never depends on what ran beside it."""
     if jobs <= 1:
         return []
-    threads = max(1, (cores or os.cpu_count() or 1) // jobs)
+    threads = max(1, (cores or usable_cores()) // jobs)
     return ["launcher=packed", f"hydra.launcher.jobs_at_once={jobs}", f"train.num_threads={threads}"]
 
 
@@ -483,13 +482,9 @@ def warm_teacher(args: argparse.Namespace, task: str, out: Path) -> None:
 
 def recorded_seeds(path: Path) -> dict[tuple[str, str], set[int]]:
     """{(task, arm): seeds} of the runs the claims CSV records (made before, maybe on another machine)."""
-    if not path.exists():
-        return {}
-    out: dict[tuple[str, str], set[int]] = {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            out.setdefault((row["task"], row["arm"]), set()).add(int(row["seed"]))
-    return out
+    from kdrun.report.claims import recorded_runs
+
+    return {key: set(by_seed) for key, by_seed in recorded_runs(path).items()}
 
 
 def log_wall_time(out: Path, started: float, args: argparse.Namespace) -> None:

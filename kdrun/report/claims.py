@@ -35,7 +35,8 @@ SAME_WEIGHTS = 0.05  # "the same values": final weights of the two initialisatio
 PRECISION_NAMES = {"no": "fp32"}  # train.precision=no: no mixed precision
 START, END = "<!-- claims table: start -->", "<!-- claims table: end -->"
 
-__all__ = ["ARMS", "CLAIMS", "Claim", "Row", "Stats", "Measured", "measured_runs", "load_arms", "glue_cpu_values",
+__all__ = ["ARMS", "CLAIMS", "Claim", "Row", "Stats", "Measured", "measured_runs", "recorded_runs", "load_arms",
+           "glue_cpu_values",
            "row_stats", "verdict", "table_rows", "markdown_table", "arms_table", "not_testable_table",
            "replace_between_markers", "runs_csv", "final_map_weights", "wall_time", "cost_summary", "cost_table",
            "arm_scores_table"]
@@ -106,14 +107,23 @@ def load_arms(out: Path) -> dict[tuple[str, str], dict[int, RunRecord]]:
 Runs = dict[tuple[str, str], dict[int, Measured]]
 
 
+def recorded_runs(path: Path) -> Runs:
+    """{(task, arm): {seed: Measured}} of the runs the CSV at ``path`` records (none if it is absent)."""
+    found: Runs = {}
+    if path.exists():
+        with open(path, newline="") as f:
+            for m in map(from_csv_row, csv.DictReader(f)):
+                found.setdefault((m.task, m.arm), {})[m.seed] = m
+    return found
+
+
 def measured_runs(out: Path, recorded: Path | None = None) -> Runs:
     """{(task, arm): {seed: Measured}}: the runs under ``out``, and for the seeds they lack, the runs
     the CSV ``recorded`` holds (so a study continued on another machine keeps the rows it had)."""
     found = {k: {s: from_run(*k, r) for s, r in v.items()} for k, v in load_arms(out).items()}
-    if recorded is not None and recorded.exists():
-        with open(recorded, newline="") as f:
-            for m in map(from_csv_row, csv.DictReader(f)):
-                found.setdefault((m.task, m.arm), {}).setdefault(m.seed, m)
+    for key, by_seed in (recorded_runs(recorded) if recorded is not None else {}).items():
+        for seed, m in by_seed.items():
+            found.setdefault(key, {}).setdefault(seed, m)
     return found
 
 
@@ -244,7 +254,11 @@ def _label(spec: str) -> str:
 
 def table_rows(out: Path, glue_cpu_csv: Path, recorded: Path | None = None) -> list[dict[str, str]]:
     """One dict per (claim, task, row): what the paper says, what kdrun measured, and the verdict."""
-    runs = measured_runs(out, recorded)
+    return rows_of(measured_runs(out, recorded), glue_cpu_csv)
+
+
+def rows_of(runs: Runs, glue_cpu_csv: Path) -> list[dict[str, str]]:
+    """table_rows from runs already read."""
     mine, theirs = values_of(runs), glue_cpu_values(glue_cpu_csv)
     rows = []
     for c in CLAIMS:
@@ -375,7 +389,7 @@ def write_report(out: Path, glue_cpu_csv: Path, docs: Path | None = None, runs_p
     every run into OUT/report and ``runs_path``, which also supplies the seeds OUT lacks (runs made
     elsewhere before). Returns the table."""
     runs = measured_runs(out, runs_path)
-    table = markdown_table(table_rows(out, glue_cpu_csv, runs_path))
+    table = markdown_table(rows_of(runs, glue_cpu_csv))
     block = (f"{cost_summary(runs, out)}\n\n{table}\n\n"
              f"**Every arm's dev score** (main metric x100, mean ± sd over its seeds):\n\n{arm_scores_table(runs)}\n\n"
              f"**The arms** (each on `experiment=glue_cpu`, seeds 1–6):\n\n{arms_table()}\n\n"
