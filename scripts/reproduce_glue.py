@@ -147,6 +147,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.ckd_lambda = recipe.ckd_lambda if args.ckd_lambda is None else args.ckd_lambda
     if args.claims and args.recipe != "claims":
         p.error("--claims: only with --recipe claims")
+    if args.claims:
+        from kdrun.report.claims_plan import CLAIMS, selected
+
+        if not any(selected(c, args.claims.split(",")) for c in CLAIMS):
+            names = sorted({c.key for c in CLAIMS if c.source == "recipe"})
+            p.error(f"--claims {args.claims!r} names no claim the recipe runs; its claims: {'; '.join(names)}")
     unknown = [t for t in args.tasks.split(",") if t not in GLUE_DIRS]
     if unknown:
         p.error(f"--tasks: unknown {', '.join(unknown)}; kdrun's GLUE tasks are {', '.join(GLUE_DIRS)}")

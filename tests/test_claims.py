@@ -267,6 +267,9 @@ def test_claims_option_runs_only_the_named_claims(capsys, tmp_path: Path) -> Non
         "tinybert", "tb_kl", "tb", "tb_kl_half", "tb_half"}  # CoLA's grid for tinybert, then the four arms
     with pytest.raises(SystemExit):
         script.main(["--glue", str(tmp_path), "--recipe", "glue_cpu", "--claims", "ckd", "--dry-run"])
+    with pytest.raises(SystemExit):  # a name that selects nothing is an error listing the claims
+        script.main(["--glue", str(tmp_path), "--recipe", "claims", "--claims", "nosuch", "--dry-run"])
+    assert "names no claim the recipe runs; its claims: ALP: smaller students;" in capsys.readouterr().err
 
 
 def test_the_recorded_csv_keeps_the_rows_of_runs_made_elsewhere(tmp_path: Path) -> None:
