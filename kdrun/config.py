@@ -414,6 +414,10 @@ class TrainConfig:
     scheduler: str = "linear"
     eval_batch_size: int = 128
     checkpoint_every_steps: Optional[int] = 200
+    # Keep the run's checkpoints/ (its resume state, about twice the student's size) once the run
+    # has finished (results.json and the student written); false deletes them then: for studies of
+    # hundreds of runs, where they would fill the disk.
+    keep_checkpoints: bool = True
     # Keep the best dev student of the last selecting stage (else the last one).
     keep_best: bool = True
     # Compute the teacher's logits once per stage and reuse them across epochs when possible.
@@ -525,7 +529,8 @@ def _short_hash(text: str) -> str:
 # override_dirname.exclude_keys in conf/config.yaml reads it through ${kd.non_identity_keys:}) and
 # the configuration identity that checkpoints are matched against (kdrun.app.run.run_config_hash).
 NON_IDENTITY_KEYS = ("resume", "logger", "launcher", "report", "output_dir", "run_name", "cache_max_gb",
-                     "cache_wait_timeout_s", "train.device", "train.num_threads", "train.stop_after_steps", "hydra")
+                     "cache_wait_timeout_s", "train.device", "train.num_threads", "train.stop_after_steps",
+                     "train.keep_checkpoints", "hydra")
 
 
 def is_non_identity(key: str) -> bool:

@@ -466,6 +466,11 @@ def claim_setting(args: argparse.Namespace, task: str, objective: str, out: Path
     return known[(task, objective)]
 
 
+# A finished seed run keeps its results and student, not its resume state (about 130 MB a run on the
+# glue_cpu scale: the 518 runs' checkpoints would take some 70 GB).
+KEEP_NO_CHECKPOINTS = "train.keep_checkpoints=false"
+
+
 def packed_overrides(jobs: int, cores: int | None = None) -> list[str]:
     """With ``--jobs N`` (N > 1) each multirun's seeds run N at a time (``launcher=packed``), each with
     the cores / N threads: fixed, so a run's result never depends on what ran beside it."""
@@ -536,7 +541,7 @@ def run_claims(args: argparse.Namespace, out: Path) -> int:
                   f"(docs/data/glue_cpu_runs.csv)", flush=True)
         overrides = claims_plan.merge_overrides(common_overrides(args, task), [f"objective={arm.objective}"],
                                                 [f"{k}={v}" for k, v in setting.items()], arm.overrides)
-        kdrun_multirun([*overrides, *packed_overrides(args.jobs), f"seed={args.seeds}"],
+        kdrun_multirun([*overrides, *packed_overrides(args.jobs), KEEP_NO_CHECKPOINTS, f"seed={args.seeds}"],
                        out / "seeds" / task / name, args.dry_run)
         if not args.dry_run:
             log_wall_time(out, started, args)

@@ -121,6 +121,22 @@ def test_identity_no_error_json_once_the_run_completed(run_cfg, tmp_path: Path, 
     assert (rd / "results.json").exists() and not (rd / "error.json").exists()
 
 
+def test_keep_checkpoints_false_deletes_them_once_complete_and_the_run_stays_complete(run_cfg,
+                                                                                     tmp_path: Path) -> None:
+    kept, dropped = tmp_path / "kept", tmp_path / "dropped"
+    a = run(run_cfg("objective=finetune", "train.checkpoint_every_steps=2"), kept)
+    b = run(run_cfg("objective=finetune", "train.checkpoint_every_steps=2", "train.keep_checkpoints=false"), dropped)
+    assert (kept / "checkpoints" / "last" / "state.json").exists()
+    assert not (dropped / "checkpoints").exists() and (dropped / "student" / "config.json").exists()
+    assert a["config_hash"] == b["config_hash"]  # where its resume state goes changes nothing computed
+    assert a["student"]["metrics"] == b["student"]["metrics"]
+    assert recorded_run(dropped).state == "complete"
+    before = snapshot(dropped / "student")
+    again = run(run_cfg("objective=finetune", "train.checkpoint_every_steps=2", "train.keep_checkpoints=false"),
+                dropped)  # rerun: the finished run answers, nothing retrains
+    assert again["student"]["metrics"] == b["student"]["metrics"] and snapshot(dropped / "student") == before
+
+
 # -------------------------------------------------------------------------------- through the CLI
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ and the tracker's summary."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from typing import Any
@@ -54,6 +55,8 @@ def write_outputs(session: Session, data: RunData, models: Models, parts, state,
         session.tracker.summary({f"final/{s}/{k}": v for s, m in final_metrics.items() for k, v in m.items()})
         hint = session.tracker.finish()
         write_json_atomic(session.run_dir / "results.json", summary)
+        if not session.cfg.train.keep_checkpoints:  # the run is complete: nothing left to resume
+            shutil.rmtree(session.run_dir / "checkpoints", ignore_errors=True)
         print_summary(summary)
         for strategy, entries in added:
             strategy.report(entries, session.run_dir)
