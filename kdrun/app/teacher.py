@@ -140,6 +140,7 @@ TRAIN_NOT_IN_KEY = {
     "compile_backend": "compiles the distillation's steps; the teacher fine-tunes uncompiled",
     "checkpoint_every_steps": "how often the fine-tuning saves its progress (in the entry's staging directory); "
                               "a resume continues bit for bit, so it cannot change the weights",
+    "keep_checkpoints": "what a finished run keeps of its resume state; the teacher's entry keeps its model only",
 }
 
 # The rest of the run's config: not in the key because none of it reaches the teacher's fine-tuning.
