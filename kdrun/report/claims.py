@@ -36,10 +36,9 @@ PRECISION_NAMES = {"no": "fp32"}  # train.precision=no: no mixed precision
 START, END = "<!-- claims table: start -->", "<!-- claims table: end -->"
 
 __all__ = ["ARMS", "CLAIMS", "Claim", "Row", "Stats", "Measured", "measured_runs", "recorded_runs", "load_arms",
-           "glue_cpu_values",
-           "row_stats", "verdict", "table_rows", "markdown_table", "arms_table", "not_testable_table",
-           "replace_between_markers", "runs_csv", "final_map_weights", "wall_time", "cost_summary", "cost_table",
-           "arm_scores_table"]
+           "glue_cpu_values", "row_stats", "verdict", "table_rows", "markdown_table", "arms_table",
+           "not_testable_table", "replace_between_markers", "runs_csv", "final_map_weights", "wall_time",
+           "cost_summary", "cost_table", "arm_scores_table"]
 
 
 # ------------------------------------------------------------------------------------- reading runs
