@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from kdrun.engine.objective import plan_stages
 from kdrun.losses import get_loss
-from kdrun.losses.mgskd import MGSKDModule, salient_selection
+from kdrun.losses import mgskd as mgskd_module
+from kdrun.losses.mgskd import MGSKDModule, pair_mse, salient_selection
 from kdrun.losses.registry import LossContext
 from kdrun.models.features import Features
 from tests.conftest import assert_kept_best, compose
@@ -131,10 +132,9 @@ def call(name, s, t, module=None, pairs=PAIRS, **params):
 # --------------------------------------------------------------------------------- terms vs naive
 
 @pytest.mark.parametrize("pair,angle", [(True, True), (True, False), (False, True)])
-@pytest.mark.parametrize("k1,k2", [(20, 20), (3, 2)])
-def test_token_term_matches_naive(pair, angle, k1, k2) -> None:
+@pytest.mark.parametrize("k1,k2,m", [(20, 20, 4), (3, 2, 4), (3, 2, 8)])  # m 4: the n x n form, 8: the kernel
+def test_token_term_matches_naive(pair, angle, k1, k2, m) -> None:
     s, t, lengths = make_inputs()
-    m = 4
     got = call("mgskd_token", s, t, heads=m, k1=k1, k2=k2, pair=pair, angle=angle)
     want = 0.0
     for si, ti in PAIRS[:2]:  # boundary 2: student layers 0 and 1
@@ -145,6 +145,25 @@ def test_token_term_matches_naive(pair, angle, k1, k2) -> None:
         if angle:
             want = want + naive_salient_angles(xs, xt, rows, m, k1, k2)
     assert float(got) == pytest.approx(float(want), rel=1e-9)
+
+
+@pytest.mark.parametrize("m,n,direct", [(1, 9, True), (4, 9, True), (8, 9, False), (8, 5, False), (2, 30, False)])
+def test_pair_mse_both_forms_match_naive(m, n, direct, monkeypatch) -> None:
+    """n points against a head's widths a + b (16/m + 24/m): the n x n form below, the (a+b)² kernel
+    form at or above; both equal the loops over heads and examples, padded rows included."""
+    calls = []
+    real = mgskd_module._pair_sq_direct
+    monkeypatch.setattr(mgskd_module, "_pair_sq_direct", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(n + m)
+    xs, xt = torch.randn(3, n, 16, generator=g, dtype=torch.float64), torch.randn(3, n, 24, generator=g,
+                                                                                  dtype=torch.float64)
+    lengths = [n, n - 2, 1]
+    mask = torch.arange(n)[None] < torch.tensor(lengths)[:, None]
+    want = naive_pair_mse(list(xs), list(xt), [list(range(L)) for L in lengths], m)
+    assert float(pair_mse(xs, xt, mask, m)) == pytest.approx(float(want), rel=1e-10)
+    assert bool(calls) == direct
+    got32 = pair_mse(xs.float(), xt.float(), mask, m)
+    assert got32.dtype == torch.float32 and float(got32) == pytest.approx(float(want), rel=1e-5)
 
 
 def naive_span_points(h: torch.Tensor, spans: torch.Tensor) -> list[torch.Tensor]:

@@ -307,3 +307,16 @@ def test_gpu_check_fast_writes_one_json_with_every_check(tmp_path: Path) -> None
     assert runs["tiny_toy"]["status"] == "pass" and "train.device=auto" in runs["tiny_toy"]["cmd"]
     assert runs["doctor"] == {"status": "skipped", "reason": "left out in --fast mode"}
     assert f"wrote {out}" in stdout
+
+
+# ----------------------------------------------------------------------------------- bench_mgskd_pair
+
+def test_bench_mgskd_pair_times_both_forms_and_picks_the_direct_one_below_a_plus_b(tmp_path: Path) -> None:
+    """Two lengths x two head counts: a row each; ``auto`` takes the n x n form exactly where n < a + b
+    (the script exits non-zero if the two forms disagree)."""
+    stdout = run_script("bench_mgskd_pair", "--fast", "--threads", "1", tmp_path=tmp_path)
+    row = r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+\.\d) \| (\d+\.\d) \| (\w+) \| (\d+\.\d\d) \|$"
+    rows = re.findall(row, stdout, re.M)
+    assert [(r[0], r[1], r[2]) for r in rows] == [("1", "8", "64"), ("16", "8", "4"), ("1", "40", "64"),
+                                                  ("16", "40", "4")], stdout
+    assert [r[5] for r in rows] == ["direct", "kernel", "direct", "kernel"]

@@ -78,13 +78,16 @@ def pair_interactions(x: torch.Tensor, m: int) -> torch.Tensor:
 
 def pair_mse(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, m: int) -> torch.Tensor:
     """MSE between the m-head interactions of xs (B, n, ds) and xt (B, n, dt) over entries whose two
-    points are valid (mask (B, n)), without forming the (B, m, n, n) matrices. Stacked layers
-    xs (L, B, n, ds), xt (L, B, n, dt) sharing the mask: the sum of the L layers' MSEs.
+    points are valid (mask (B, n)). Stacked layers xs (L, B, n, ds), xt (L, B, n, dt) sharing the
+    mask: the sum of the L layers' MSEs.
 
     Per head, with X zeroed at invalid points, a = ds/m, b = dt/m:
     ``||X_s X_s^T/√a - X_t X_t^T/√b||² = ||X_s^T X_s||²/a - 2 ||X_s^T X_t||²/√(ab) + ||X_t^T X_t||²/b``
     ``= Σ_ij u_i u_j K_ij²``, ``K = Y^T Y`` with ``Y = [X_s | X_t]``, ``u = (a^-1/2 …, -b^-1/2 …)``: one
-    (a+b)² product per head, O(n d²/m), in fp64 (the blocks' cancellation stays far below the loss).
+    (a+b)² product per head, O(n (a+b)²), in fp64 (the blocks' cancellation stays far below the loss),
+    without the (B, m, n, n) matrices. With fewer points than a + b (one or a few relation heads,
+    short rows) the n x n interactions, O(n² (a+b)), cost less and are formed instead
+    (``scripts/bench_mgskd_pair.py`` times both).
     """
     y = torch.cat([xs, xt.to(xs.dtype)], -1).masked_fill(~mask[..., None], 0.0)
     return _pair_mse(y, xs.shape[-1], mask, m)
@@ -92,14 +95,29 @@ def pair_mse(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, m: int) -> 
 
 def _pair_mse(y: torch.Tensor, ds: int, mask: torch.Tensor, m: int, w: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`pair_mse` of both sides' points side by side, ``y`` (..., B, n, ds + dt), padding zeroed."""
-    a, b, dt = ds // m, (y.shape[-1] - ds) // m, y.dtype
+    n = mask.sum(-1, dtype=torch.float64)
+    direct = y.shape[-2] < y.shape[-1] // m  # fewer points than a head's two widths a + b: n x n costs less
+    per_layer = _pair_sq_direct(y, ds, m) if direct else _pair_sq_kernel(y, ds, m, w)
+    return (per_layer / (n @ n).clamp_min(1)).sum().to(y.dtype)
+
+
+def _pair_sq_kernel(y: torch.Tensor, ds: int, m: int, w: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`_pair_mse`'s squared errors / m per layer by the (a+b)² kernel, O(n (a+b)²) per head."""
+    a, b = ds // m, (y.shape[-1] - ds) // m
     y = torch.cat([split_heads(y[..., :ds], m), split_heads(y[..., ds:], m)], -1).double()  # (..., B, m, n, a+b)
     k2 = (y.transpose(-1, -2) @ y).square().sum((-4, -3))  # (..., a + b, a + b), summed over examples, heads
-    n = mask.sum(-1, dtype=torch.float64)
     if w is None or w.shape[0] != (a + b) ** 2:
         w = pair_weights(a * m, b * m, m).to(y.device)
-    per_layer = (k2.flatten(-2) @ w.to(torch.float64)).clamp_min(0.0)  # squared errors / m per layer
-    return (per_layer / (n @ n).clamp_min(1)).sum().to(dt)
+    return (k2.flatten(-2) @ w.to(torch.float64)).clamp_min(0.0)
+
+
+def _pair_sq_direct(y: torch.Tensor, ds: int, m: int) -> torch.Tensor:
+    """:func:`_pair_mse`'s squared errors / m per layer formed as the (..., B, m, n, n) interactions,
+    O(n² d/m) per head: the cheaper form when n < a + b (few relation heads, short rows). No
+    cancellation here, so fp32 (fp64 where y is fp64); padding rows of y are zero and add nothing."""
+    y = y.to(torch.promote_types(y.dtype, torch.float32))
+    diff = pair_interactions(y[..., :ds], m) - pair_interactions(y[..., ds:], m)
+    return diff.square().sum((-4, -3, -2, -1), dtype=torch.float64) / m
 
 
 def pair_weights(ds: int, dt: int, m: int) -> torch.Tensor:
