@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from kdrun.losses.mgskd import _pair_mse, _pair_sq_direct, _pair_sq_kernel
+from kdrun.losses.mgskd import _pair_mse, _pair_sq_direct, _pair_sq_kernel, pair_direct_form
 
 
 def best_ms(fn, repeats: int) -> float:
@@ -52,7 +52,7 @@ def forms(y: torch.Tensor, ds: int, mask: torch.Tensor, m: int) -> dict:
             "auto": run(lambda v: _pair_mse(v, ds, mask, m) * nn)}
 
 
-def case(layers: int, batch: int, n: int, width: int, m: int, repeats: int, seed: int = 0) -> float:
+def case(layers: int, batch: int, n: int, width: int, m: int, repeats: int, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(n // 2, n + 1, (batch,), generator=g)
     mask = torch.arange(n)[None] < lengths[:, None]
@@ -62,10 +62,9 @@ def case(layers: int, batch: int, n: int, width: int, m: int, repeats: int, seed
     if abs(values["kernel"] - values["direct"]) > 1e-6 * abs(values["kernel"]):
         raise SystemExit(f"the two forms disagree at heads={m}, n={n}: {values}")
     ms = {k: best_ms(f, repeats) for k, f in fns.items()}
-    chosen = "direct" if n < 2 * width // m else "kernel"
+    chosen = "direct" if pair_direct_form(n, 2 * width, m) else "kernel"
     print(f"| {m} | {n} | {2 * width // m} | {ms['kernel']:.1f} | {ms['direct']:.1f} | {chosen} | "
           f"{ms['kernel'] / ms['auto']:.2f} |", flush=True)
-    return ms["kernel"] / ms["auto"]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -96,9 +96,15 @@ def pair_mse(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, m: int) -> 
 def _pair_mse(y: torch.Tensor, ds: int, mask: torch.Tensor, m: int, w: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`pair_mse` of both sides' points side by side, ``y`` (..., B, n, ds + dt), padding zeroed."""
     n = mask.sum(-1, dtype=torch.float64)
-    direct = y.shape[-2] < y.shape[-1] // m  # fewer points than a head's two widths a + b: n x n costs less
+    direct = pair_direct_form(y.shape[-2], y.shape[-1], m)
     per_layer = _pair_sq_direct(y, ds, m) if direct else _pair_sq_kernel(y, ds, m, w)
     return (per_layer / (n @ n).clamp_min(1)).sum().to(y.dtype)
+
+
+def pair_direct_form(n: int, width: int, m: int) -> bool:
+    """Whether the pair MSE of n points of both sides' summed width forms the n x n interactions:
+    with fewer points than a head's two widths a + b they cost less than the (a+b)² kernel."""
+    return n < width // m
 
 
 def _pair_sq_kernel(y: torch.Tensor, ds: int, m: int, w: torch.Tensor | None = None) -> torch.Tensor:
@@ -113,7 +119,7 @@ def _pair_sq_kernel(y: torch.Tensor, ds: int, m: int, w: torch.Tensor | None = N
 
 def _pair_sq_direct(y: torch.Tensor, ds: int, m: int) -> torch.Tensor:
     """:func:`_pair_mse`'s squared errors / m per layer formed as the (..., B, m, n, n) interactions,
-    O(n² d/m) per head: the cheaper form when n < a + b (few relation heads, short rows). No
+    O(n² (a+b)) per head: the cheaper form when n < a + b (few relation heads, short rows). No
     cancellation here, so fp32 (fp64 where y is fp64); padding rows of y are zero and add nothing."""
     y = y.to(torch.promote_types(y.dtype, torch.float32))
     diff = pair_interactions(y[..., :ds], m) - pair_interactions(y[..., ds:], m)
