@@ -278,6 +278,7 @@ def test_the_recorded_csv_keeps_the_rows_of_runs_made_elsewhere(tmp_path: Path) 
     out, docs, recorded = tmp_path / "claims", tmp_path / "claims.md", tmp_path / "runs.csv"
     _arm(out, "sst2", "ckd", [80.5, 81.0, 81.5, 81.0, 80.5, 81.5])
     _arm(out, "sst2", "ckd_no_wr", [80.0] * 6)
+    _arm(out, "sst2", "ckd_no_ltr", [80.0 + 0.004 * s + 1 / 7 for s in SEEDS])  # scores of more than 2 decimals
     for job in _arm(out, "cola", "tb_learn_u", [30.0] * 6, "matthews_correlation"):
         _weights(job, 0.30)
     for job in _arm(out, "cola", "tb_learn_l", [30.0] * 6, "matthews_correlation"):
@@ -291,7 +292,7 @@ def test_the_recorded_csv_keeps_the_rows_of_runs_made_elsewhere(tmp_path: Path) 
     runs = claims.measured_runs(elsewhere, recorded)
     assert runs[("sst2", "ckd_no_wr")][1].dev == 90.0 and runs[("sst2", "ckd_no_wr")][2].dev == 80.0
     assert len(runs[("sst2", "ckd")]) == 6 and runs[("sst2", "ckd")][3].threads == "1"
-    assert "**Measured:** 24 runs finished" in claims.cost_summary(runs, elsewhere)
+    assert "**Measured:** 30 runs finished" in claims.cost_summary(runs, elsewhere)
 
 
 def test_the_recipe_skips_arms_the_csv_records_but_its_dry_run_lists_them(capsys, tmp_path: Path, monkeypatch) -> None:

@@ -69,7 +69,7 @@ class Measured:
     def csv_row(self) -> list[str]:
         spec = ARMS.get(self.arm)
         return [self.task, self.arm, self.objective, " ".join(spec.overrides) if spec else "", str(self.seed),
-                self.lr, self.lambda_ckd, self.metric, f"{self.dev:.2f}", self.device, self.precision,
+                self.lr, self.lambda_ckd, self.metric, repr(self.dev), self.device, self.precision,
                 self.threads, str(round(self.run_seconds, 1)),
                 json.dumps(dict(self.weights), sort_keys=True) if self.weights else ""]
 
