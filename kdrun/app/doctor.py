@@ -229,11 +229,15 @@ def bench_worker(objective: str, teacher: Shape, student: Shape, batch: int, tok
         # no gradient-norm recording: its host read every step would time the syncs, not the step
         step = EngineStep({"teacher": t, "student": s, "objective": obj}, plans[0], prec, device, cfg.train, Path(tmp),
                           record_grads=False)
-        return _time_steps(step, fixed_batch(batch, tokens, vocab, ragged=False), steps, warmup) | {
+        return time_steps(step, fixed_batch(batch, tokens, vocab, ragged=False), steps, warmup) | {
             "precision": PRECISION_LABEL[prec], "device": device}
 
 
-def _time_steps(step: EngineStep, batch: dict[str, torch.Tensor], steps: int, warmup: int) -> dict[str, Any]:
+def time_steps(step: EngineStep, batch: dict[str, torch.Tensor], steps: int, warmup: int,
+               count_ops: bool = True) -> dict[str, Any]:
+    """Per step over ``steps`` steps after ``warmup`` (one sync before and one after the timed block, no
+    host read inside it): time, tokens/s (the mask's tokens), peak memory, finite losses and, with
+    ``count_ops``, the ATen ops of one more step (None without)."""
     from kdrun.engine.trainer import to_device
 
     dev = step.parts.accelerator.device
@@ -249,13 +253,15 @@ def _time_steps(step: EngineStep, batch: dict[str, torch.Tensor], steps: int, wa
     losses = [step(batch) for _ in range(steps)]
     sync()
     secs = (time.perf_counter() - t0) / steps
-    with OpCounter() as ops:  # one more step, untimed: the ATen ops (kernels) a step dispatches
-        step(batch)
-    sync()
+    ops = OpCounter() if count_ops else None
+    if ops is not None:
+        with ops:  # one more step, untimed: the ATen ops (kernels) a step dispatches
+            step(batch)
+        sync()
     tokens = int(batch["attention_mask"].sum())
     return {"step_ms": secs * 1e3, "tokens_per_s": tokens / secs, "peak_bytes": peak_memory(dev),
             "peak_bytes_before_steps": before, "loss_finite": all(math.isfinite(float(x)) for x in losses),
-            "ops_per_step": ops.count}
+            "ops_per_step": ops.count if ops is not None else None}
 
 
 def run_in_fresh_process(fn: Callable[..., Any], *args: Any) -> Any:
@@ -322,9 +328,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="kdrun-doctor", description=DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None, metavar="FILE",
-                    help=f"the JSON report (default: {REPORT_NAME} in the cache directory, $KDRUN_CACHE_DIR or "
+                    help="with --device-check: the folder of its JSON lines (required); else the JSON report"
+                         f"  (default: {REPORT_NAME} in the cache directory, $KDRUN_CACHE_DIR or "
                          "~/.cache/kdrun, else in a new temporary directory; the path is printed)")
     ap.add_argument("--quick", action="store_true", help="a tiny shape for the throughput check (CPU, tests)")
+    from kdrun.app.device_check import add_arguments
+
+    add_arguments(ap)
     return ap.parse_args(argv)
 
 
@@ -346,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.device_check:
+        from kdrun.app import device_check
+
+        return device_check.main(args, sys.argv[1:] if argv is None else list(argv))
     t0 = time.perf_counter()
     report = Report()
     device = check_environment(report)
