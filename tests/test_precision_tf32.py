@@ -11,15 +11,24 @@ import pytest
 import torch
 
 from kdrun.errors import ConfigError
-from kdrun.runtime.precision import Precision, apply_tf32, exact_fp32_matmul, resolve_tf32
+from kdrun.runtime.precision import (
+    Precision,
+    apply_tf32,
+    exact_fp32_matmul,
+    resolve_tf32,
+    set_tf32_matmul,
+    tf32_matmul,
+)
 
 
 @pytest.fixture
 def tf32_flag():
-    """Restore the process-wide CUDA TF32 flag (settable on a CPU-only build too) after the test."""
-    before = torch.backends.cuda.matmul.allow_tf32
+    """Restore the process-wide CUDA TF32 flag (settable on a CPU-only build too) after the test, through
+    the API kdrun sets it with (torch's fp32_precision where present: mixing in the legacy allow_tf32
+    then raises)."""
+    before = tf32_matmul()
     yield
-    torch.backends.cuda.matmul.allow_tf32 = before
+    set_tf32_matmul(before)
 
 
 def test_precision_tf32_auto_is_on_for_cuda_only_and_bad_values_name_the_key() -> None:
@@ -32,28 +41,28 @@ def test_precision_tf32_auto_is_on_for_cuda_only_and_bad_values_name_the_key() -
 
 
 def test_precision_tf32_is_set_for_cuda_and_left_alone_elsewhere(tf32_flag) -> None:
-    torch.backends.cuda.matmul.allow_tf32 = False
+    set_tf32_matmul(False)
     apply_tf32(True, "cpu")
-    assert torch.backends.cuda.matmul.allow_tf32 is False
+    assert tf32_matmul() is False
     apply_tf32(True, "cuda")
-    assert torch.backends.cuda.matmul.allow_tf32 is True
+    assert tf32_matmul() is True
     apply_tf32(False, "cuda")
-    assert torch.backends.cuda.matmul.allow_tf32 is False
+    assert tf32_matmul() is False
 
 
 def test_precision_relation_kernels_turn_tf32_off_inside_and_restore_it(tf32_flag, monkeypatch) -> None:
     import kdrun.losses.relations as R
 
-    torch.backends.cuda.matmul.allow_tf32 = True
+    set_tf32_matmul(True)
     with exact_fp32_matmul("cuda"):
-        assert torch.backends.cuda.matmul.allow_tf32 is False
-    assert torch.backends.cuda.matmul.allow_tf32 is True
+        assert tf32_matmul() is False
+    assert tf32_matmul() is True
     with exact_fp32_matmul("cpu"):  # nothing to change off CUDA
-        assert torch.backends.cuda.matmul.allow_tf32 is True
-    torch.backends.cuda.matmul.allow_tf32 = False
+        assert tf32_matmul() is True
+    set_tf32_matmul(False)
     with exact_fp32_matmul("cuda"):
         pass
-    assert torch.backends.cuda.matmul.allow_tf32 is False  # a user's false stays false
+    assert tf32_matmul() is False  # a user's false stays false
     # every relation loss enters the exact-fp32 section for its device (and computes its Gram inside)
     seen: list[tuple[str, bool]] = []
     real_exact, real_gram = R.exact_fp32_matmul, R.gram
@@ -214,3 +223,19 @@ def test_amp_corpus_heldout_loss_runs_the_objective_in_fp32_outside_autocast(run
             n = int(batch["input_ids"].shape[0])
             total, rows = total + float(loss) * n, rows + n
     assert got["distill_loss"] == pytest.approx(total / rows, rel=1e-6)
+
+
+def test_precision_tf32_reads_and_sets_through_the_new_api_where_torch_has_it(tf32_flag) -> None:
+    """torch >= 2.9: once fp32_precision has been set, the legacy allow_tf32 raises when read; kdrun
+    reads and sets the flag through fp32_precision only, so a user's or a library's use of either
+    API leaves kdrun's switch working."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("this torch has only the legacy allow_tf32")
+    matmul.fp32_precision = "tf32"  # as a user's script would
+    assert tf32_matmul() is True
+    with exact_fp32_matmul("cuda"):
+        assert matmul.fp32_precision == "ieee" and tf32_matmul() is False
+    assert matmul.fp32_precision == "tf32"
+    set_tf32_matmul(False)
+    assert matmul.fp32_precision == "ieee"

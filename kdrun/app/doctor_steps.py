@@ -225,7 +225,8 @@ def objective_models(cfg: Any, teacher_shape: Shape = TINY_TEACHER, student_shap
     set_attention(teacher, plans, "teacher")
     set_attention(student, plans, "student")
     torch.manual_seed(3)
-    objective = Objective(plans, MappingSpec.from_config(cfg.mapping, seed=0), 2, describe(student), describe(teacher))
+    objective = Objective(plans, MappingSpec.from_config(cfg.mapping, seed=0), 2, describe(student), describe(teacher),
+                          balance=cfg.objective.balance, balance_alpha=cfg.objective.balance_alpha)  # as a run's
     uses_teacher = any(p.uses_teacher for p in plans)
     return plans, {"teacher": teacher if uses_teacher else None, "student": student, "objective": objective}
 

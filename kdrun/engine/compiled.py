@@ -18,7 +18,6 @@ measures per-term gradients run the same region eagerly. Objectives whose loss d
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any
 
@@ -70,14 +69,17 @@ def step_mode(train_cfg: Any, device_type: str, precision: str) -> str:
 
 def stage_forward(parts: Any, plan: Any, strategy: Any = None) -> StepForward:
     """How the stage's plain steps run their forward region (eager unless train.compile or
-    train.cuda_graphs ask otherwise and the stage can compile; a one-line notice when it cannot)."""
+    train.cuda_graphs ask otherwise and the stage can compile; a one-line notice when it cannot).
+    The region's row count is the stage's batch size (the loader's), so a short batch runs eagerly
+    wherever it comes (an epoch's last, the first after a resume)."""
     acc, tcfg = parts.accelerator, parts.train_cfg
     mode = step_mode(tcfg, acc.device.type, acc.precision.name)
     reason = eager_reason(parts, plan, strategy) if mode != "eager" else None
     if reason is not None:
         log.warning("train.compile: stage %r runs eagerly: %s", plan.name, reason)
         mode = "eager"
-    return StepForward(parts, plan, mode, getattr(tcfg, "compile_backend", "inductor"))
+    return StepForward(parts, plan, mode, getattr(tcfg, "compile_backend", "inductor"),
+                       rows=int(plan.cfg["batch_size"]))
 
 
 def eager_reason(parts: Any, plan: Any, strategy: Any) -> str | None:
@@ -86,6 +88,9 @@ def eager_reason(parts: Any, plan: Any, strategy: Any) -> str | None:
         return f"the stage strategy {strategy.key!r} runs its own steps"
     if parts.objective.step_dependent(plan.index):
         return "its layer map redraws its pairs every step (mapping=random)"
+    balancer = parts.objective.balancer
+    if balancer is not None and balancer.method == "gradnorm" and balancer.balances(plan.index):
+        return "objective.balance=gradnorm differentiates each term inside the step (torch.autograd.grad)"
     return None
 
 
@@ -116,16 +121,23 @@ def _install_output_hooks(model: torch.nn.Module) -> None:
 
 class StepForward:
     """The region (:func:`forward_loss`) run in one of :data:`MODES`; ``compilations`` counts the
-    graphs compiled for it."""
+    graphs compiled for it and ``graph_breaks`` the breaks dynamo met while compiling them.
+
+    Whatever the mode, the step gets the loss and a fresh copy of the terms' values: under CUDA
+    graphs a region's outputs live in the graph's memory and the next replay overwrites them, so
+    nothing outside the region may keep one across steps (the values are copied out as one stacked
+    vector). ``replayed`` (tests only) imitates that on any device: inputs are copied into static
+    buffers and the outputs written into the same static tensors at every call."""
 
     def __init__(self, parts: Any, plan: Any, mode: str = "eager", backend: str = "inductor",
                  rows: int | None = None, widths: int = 64):
-        if mode not in MODES:
+        if mode not in (*MODES, "replayed"):
             raise ValueError(f"step mode {mode!r} is not one of {', '.join(MODES)}")
         self.parts, self.plan, self.mode, self.rows = parts, plan, mode, rows
-        self.compilations = 0
+        self.compilations = self.graph_breaks = 0
         self._compiled = None
-        if mode != "eager":
+        self._static: dict[Any, Any] = {}
+        if mode in ("compiled", "graphed"):
             # A fresh start: every region shares one code object, and dynamo would otherwise check an
             # earlier stage's graphs (guarded on other models and terms) before each call of this one.
             torch._dynamo.reset()
@@ -135,14 +147,16 @@ class StepForward:
             self._compiled = torch.compile(self._region, backend=backend, dynamic=False, **kwargs)
 
     def _region(self, batch: dict[str, Any], teacher: Features | None):
-        return forward_loss(self.parts, self.plan, batch, teacher)
+        loss, values = forward_loss(self.parts, self.plan, batch, teacher)
+        return loss, torch.stack([v.float().reshape(()) for v in values.values()]), tuple(values)
 
     def compiles(self, batch: dict[str, Any], weighted: Any) -> bool:
-        """Whether this call runs the compiled region (else the same region eagerly)."""
-        if self._compiled is None or weighted is not None:
+        """Whether this call runs the compiled (or replayed) region, else the same region eagerly: a
+        logging step measuring per-term gradients, or a batch of another row count than the stage's."""
+        if self.mode == "eager" or weighted is not None:
             return False
         rows = int(batch["attention_mask"].shape[0])
-        if self.rows is None:  # the stage's first batch sets the row count (the loader's batch size)
+        if self.rows is None:  # no batch size given: the first batch's row count
             self.rows = rows
         return rows == self.rows
 
@@ -150,23 +164,55 @@ class StepForward:
                  weighted: dict[str, torch.Tensor] | None = None):
         if not self.compiles(batch, weighted):
             return forward_loss(self.parts, self.plan, batch, teacher, step, weighted)
+        if self.mode == "replayed":
+            return self._replay(batch, teacher)
         from torch._dynamo.utils import counters
 
-        before = counters["stats"]["unique_graphs"]
+        before = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
         if self.mode == "graphed":
             torch.compiler.cudagraph_mark_step_begin()
         with self._exact_fp32():
-            out = self._compiled(batch, teacher)
-        self.compilations += counters["stats"]["unique_graphs"] - before
-        return out
+            loss, vec, keys = self._compiled(batch, teacher)
+        self.compilations += counters["stats"]["unique_graphs"] - before[0]
+        self.graph_breaks += sum(counters["graph_break"].values()) - before[1]
+        if self.mode == "graphed":  # copied out of the graph's memory before the next replay
+            vec = vec.clone()
+        return loss, dict(zip(keys, vec.unbind()))
+
+    def _replay(self, batch: dict[str, Any], teacher: Features | None):
+        """CUDA-graph replay semantics, eagerly: static inputs per shape, static outputs overwritten."""
+        shape = tuple(batch["attention_mask"].shape)
+        inputs, outs = self._static.setdefault(shape, ({}, {}))
+        for k, v in batch.items():
+            if torch.is_tensor(v):
+                inputs.setdefault(k, torch.empty_like(v)).copy_(v)
+        loss, vec, keys = self._region({**batch, **inputs}, teacher)
+        out_vec = outs.setdefault("values", torch.empty_like(vec))
+        out_vec.copy_(vec)
+        loss = _IntoStatic.apply(loss, outs.setdefault("loss", torch.empty_like(loss)).detach())
+        return loss, dict(zip(keys, out_vec.unbind()))
 
     def _exact_fp32(self):
-        """Under mixed precision on CUDA the region's fp32 matmuls are the objective's (the models run
-        under autocast), so TF32 is switched off around the whole compiled region: the relation Gram
-        matrices stay in full fp32, as the eager step keeps them. Under fp32 training, train.tf32 holds."""
-        if self.parts.accelerator.precision.name in ("bf16", "fp16"):
-            return exact_fp32_matmul(self.parts.accelerator.device.type)
-        return contextlib.nullcontext()
+        """TF32 off around the whole compiled region, in every precision: the relation kernels'
+        own switch (kdrun.runtime.precision.exact_fp32_matmul) is not traced, so the Gram matrices
+        stay in full fp32 as the eager step keeps them. Under bf16/fp16 the region's fp32 matmuls are
+        the objective's (the models run under autocast); under fp32 the models' matmuls lose TF32 too."""
+        return exact_fp32_matmul(self.parts.accelerator.device.type)
+
+
+class _IntoStatic(torch.autograd.Function):
+    """``x`` written into the static tensor ``out`` (a graph's output memory) and returned as it, with
+    ``x``'s gradient: a tensor kept from an earlier call changes at the next one, as under replay."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        out.copy_(x)
+        ctx.mark_dirty(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 def _allow_recompiles(widths: int) -> None:

@@ -21,10 +21,12 @@ class TrainingDiverged(UserError, RuntimeError):
 
 @dataclass
 class _Meter:
-    """Loss values (device tensors: no host read per step), throughput and gradient shares since
-    the last log line."""
+    """Loss values since the last log line as one device vector (the terms, then ``loss``) summed in
+    place: no host read per step, and no step's output kept by reference (under CUDA graphs a region's
+    outputs are overwritten at the next replay). Also throughput and gradient shares."""
 
-    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    keys: list[str] = field(default_factory=list)
+    total: torch.Tensor | None = None
     batches: int = 0
     examples: int = 0
     tokens: int = 0
@@ -32,12 +34,34 @@ class _Meter:
     shares: dict[str, float] = field(default_factory=dict)
 
     def add(self, values: dict[str, torch.Tensor], loss: torch.Tensor, examples: int, tokens: int) -> None:
-        for k, v in {**values, "loss": loss}.items():
-            v = v.detach().float()
-            self.sums[k] = self.sums[k] + v if k in self.sums else v
+        keys = [*values, "loss"]
+        vec = torch.stack([*(v.detach().float().reshape(()) for v in values.values()),
+                           loss.detach().float().reshape(())])  # a new tensor: nothing of the step's is kept
+        if self.total is None:
+            self.keys, self.total = keys, vec
+        elif keys == self.keys:
+            self.total.add_(vec)
+        else:  # a step with other terms than the interval's first (not seen with kdrun's own strategies)
+            self.sums = {**self.sums, **{k: self.sums.get(k, 0.0) + v for k, v in zip(keys, vec.unbind())}}
         self.batches += 1
         self.examples += examples
         self.tokens += tokens
+
+    @property
+    def sums(self) -> dict[str, torch.Tensor]:
+        """Each value's sum since the last log line (0-dim device tensors)."""
+        return {} if self.total is None else dict(zip(self.keys, self.total.unbind()))
+
+    @sums.setter
+    def sums(self, sums: dict[str, torch.Tensor]) -> None:  # a resumed log interval
+        self.keys = list(sums)
+        self.total = torch.stack([torch.as_tensor(v).float().reshape(()) for v in sums.values()]) if sums else None
+
+    def means(self) -> dict[str, float]:
+        """The mean of each value since the last log line: one host read (a logging step)."""
+        if self.total is None or not self.batches:
+            return {}
+        return {k: v / self.batches for k, v in zip(self.keys, self.total.tolist())}
 
 
 @dataclass
@@ -59,12 +83,12 @@ class FiniteWatch:
         now = ~torch.isfinite(vec)
         if self.bad is None or len(self.keys) != vec.numel():
             self.keys = ["total (weighted sum)", *values]
-            self.bad, self.first_values = now, vec
+            self.bad, self.first_values = torch.zeros_like(now), torch.zeros_like(vec)
             self.first_step = torch.full((), -1, dtype=torch.long, device=vec.device)
-        new = now.any() & (self.first_step < 0)
-        self.first_step = torch.where(new, torch.tensor(step), self.first_step)
-        self.first_values = torch.where(new, vec, self.first_values)
-        self.bad = self.bad | now
+        new = now.any() & (self.first_step < 0)  # in place, on the device
+        self.first_step.masked_fill_(new, step)
+        self.first_values.copy_(torch.where(new, vec, self.first_values))
+        self.bad.logical_or_(now)
 
     def check(self, plan: StagePlan, run_dir: Path) -> None:
         """Raise :class:`TrainingDiverged` naming the stage, step and terms (a host read). With several

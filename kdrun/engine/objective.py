@@ -303,6 +303,7 @@ class Objective(nn.Module):
             )
             value = term.spec.impl(student, teacher if term.spec.uses_teacher else None, batch, ctx, term.params)
             values[term.key] = value.detach()
+            values.update({f"{term.key}/{k}": v.detach() for k, v in ctx.parts.items()})
             summand = term.weight * value.float()
             if weighted is not None:
                 weighted[term.key] = summand

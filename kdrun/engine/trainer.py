@@ -176,7 +176,7 @@ def _log(parts: RunParts, loop: StageLoop, state: TrainState) -> None:
     The one place the step's device-side meters are read."""
     m = loop.meter
     dt = max(time.perf_counter() - m.since, 1e-9)
-    logs = {f"train/{k}": float(v) / m.batches for k, v in m.sums.items()}
+    logs = {f"train/{k}": v for k, v in m.means().items()}
     examples, tokens = _global_counts(parts, m.examples, m.tokens)
     logs.update({"train/lr": loop.scheduler.get_last_lr()[0], "train/examples_per_s": examples / dt,
                  "train/tokens_per_s": tokens / dt, "stage": loop.plan.name,

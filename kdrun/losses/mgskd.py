@@ -1,8 +1,8 @@
 """Multi-granularity structural KD (MGSKD; Liu, Tao, Feng & Zhao 2022, ACL).
 
 Three registered terms, one per granularity, so each is weighted (λ_token, λ_span, λ_sample),
-switched off and logged on its own (``train/mgskd_token`` …); each term's module also logs its
-pair and angle parts (``objective/mgskd_token/pair`` …)::
+switched off and logged on its own (``train/mgskd_token`` …); each term also logs its
+pair and angle parts (``train/mgskd_token/pair`` …)::
 
     L_stage1 = λ_token mgskd_token + λ_span mgskd_span + λ_sample mgskd_sample
     mgskd_token  = Σ_{layer pairs below M}   MSE(P_s, P_t)   + Huber(T_s, T_t)    (tokens)
@@ -238,7 +238,7 @@ def _sample_angles(v: torch.Tensor, ds: int, heads: int, beta: float) -> torch.T
 
 class MGSKDModule(nn.Module):
     """A term's learned projection of the student to the teacher's width (when needed) and the
-    running means of its parts, which the trainer logs as ``objective/<term>/<part>``."""
+    weights of its pair MSE. (Its parts go to ``ctx.parts``: the trainer logs them as ``train/<term>/<part>``.)"""
 
     def __init__(self, student_width: int, teacher_width: int, project: bool, heads: int = 0):
         super().__init__()
@@ -246,8 +246,6 @@ class MGSKDModule(nn.Module):
         width = teacher_width if project else student_width
         if heads and not (width % heads or teacher_width % heads):  # pair_mse's weights, not in the state
             self.register_buffer("pair_weights", pair_weights(width, teacher_width, heads), persistent=False)
-        self._sums: dict[str, torch.Tensor] = {}
-        self._counts: dict[str, int] = {}
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """(..., d_s) -> (..., d_t) in ``h``'s precision (fp32 / fp64), autocast off."""
@@ -255,19 +253,6 @@ class MGSKDModule(nn.Module):
             return h
         with no_autocast(h.device):
             return F.linear(h, self.proj.weight.to(h.dtype), self.proj.bias.to(h.dtype))
-
-    def record(self, **parts: torch.Tensor) -> None:
-        """Add 0-dim parts to the running sums; they stay on the device (no host sync per step)."""
-        for k, v in parts.items():
-            v = v.detach()
-            self._sums[k] = self._sums[k] + v if k in self._sums else v
-            self._counts[k] = self._counts.get(k, 0) + 1
-
-    def log_values(self) -> dict[str, torch.Tensor]:
-        """Mean of each part since the last call, as 0-dim tensors (read on the host at log steps)."""
-        out = {k: self._sums[k] / self._counts[k] for k in self._sums}
-        self._sums, self._counts = {}, {}
-        return out
 
 
 @dataclass(frozen=True)
@@ -395,8 +380,7 @@ def mgskd_token(s: Features, t: Features, batch, ctx: LossContext, p: TokenParam
     with full_precision(hs[0].device):
         total = _within_examples(hs, ht, _layers(ctx.layer_pairs, p.boundary, p.hierarchical, top=False),
                                  ctx.module, lambda x: x, mask, parts, **_structure_kw(p))
-    if ctx.module is not None:
-        ctx.module.record(**parts)
+    ctx.parts.update(parts)
     return total
 
 
@@ -412,8 +396,7 @@ def mgskd_span(s: Features, t: Features, batch, ctx: LossContext, p: SpanParams)
         w = span_weights(spans, hs[0].shape[-2], relation_dtype(hs[0]))  # shared by both sides
         total = _within_examples(hs, ht, _layers(ctx.layer_pairs, p.boundary, p.hierarchical, top=False),
                                  ctx.module, lambda x: w @ x, smask, parts, **_structure_kw(p))
-    if ctx.module is not None:
-        ctx.module.record(**parts, examples=smask.any(-1).float().sum())
+    ctx.parts.update(parts, examples=smask.any(-1).float().sum())
     return total
 
 
@@ -437,8 +420,7 @@ def mgskd_sample(s: Features, t: Features, batch, ctx: LossContext, p: SamplePar
                 parts["pair"] = _pair_mse(v[:, None], ds, ones, p.heads, getattr(module, "pair_weights", None))
         else:  # no layer pair: 0, still on the graph
             parts = dict.fromkeys([k for k in ("pair", "angle") if getattr(p, k)], hs[0].to(dt).sum() * 0.0)
-        if module is not None:
-            module.record(**parts)
+        ctx.parts.update(parts)
         lp, la = parts.get("pair"), parts.get("angle")
         return la if lp is None else lp if la is None else lp + la
 
@@ -468,4 +450,4 @@ def mgskd_prediction(s: Features, t: Features, batch, ctx: LossContext, p: Predi
     teacher's output (``kd``)."""
     if ctx.regression and p.regression == "finetune":
         return regression_mse(s.logits, batch["labels"])
-    return logit_kd(s, t, batch, ctx, Temperature(p.temperature))
+    return logit_kd(s, t, batch, ctx, p)  # p is a Temperature (a new one per call breaks a compiled graph)

@@ -54,6 +54,10 @@ class LossContext:
     # The built mapping (kdrun.models.mapping.LayerMap) for terms that combine teacher layers; layer_pairs
     # is its one-to-one view (the current draw for mapping=random).
     layer_map: Any = None
+    # Diagnostic parts of the term's value (0-dim tensors, e.g. MGSKD's pair and angle sums), which the
+    # objective returns beside the term's value and the trainer logs as ``train/<term>/<part>``. Kept
+    # by the step's meters, never by the term: nothing outside the step keeps a tensor of the step.
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def regression(self) -> bool:

@@ -20,9 +20,15 @@ is any score <= -100 (the official code zeroes scores <= -100, which its additiv
 leaves at padded keys, each map on its own), padded query rows are kept, and the mean runs over all
 B·h·n·n entries.
 
+Both official reductions depend on how far a batch is padded. kdrun takes n as the batch's longest
+row (:func:`padded_mean`: positions past it, which a compiled step's width buckets add, are left
+out), so a run's numbers do not depend on ``train.pad_to_multiple_of`` or on ``train.compile``. The
+official code pads every batch to ``max_seq_length``; kdrun pads each batch to its longest row
+(docs/objectives.md lists this among the remaining differences).
+
 Reduction (``reduction`` of ``tinybert_embedding`` and ``tinybert_hidden``): ``tokens`` (default)
 averages the squared errors over the real tokens' entries; ``all`` reproduces the official code's
-``MSELoss()``: the mean over all B·n·d entries, padded positions included.
+``MSELoss()``: the mean over all B·n·d entries, padded positions included (n as above).
 
 ``tinybert_soft_ce``: the official code's prediction loss, ``mean(-p_t log p_s)`` over the batch
 *and* the classes (``soft_ce`` sums over the classes: C times larger); MSE of outputs for
@@ -100,10 +106,26 @@ def tinybert_embedding(s: Features, t: Features, batch, ctx: LossContext, p: Tin
 
 
 def _mse(xs: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, reduction: str) -> torch.Tensor:
-    """Squared error of (B, n, d) states: mean over real tokens (``tokens``) or all B·n·d entries (``all``)."""
+    """Squared error of (B, n, d) states: mean over real tokens (``tokens``) or all B·n·d entries (``all``),
+    n the batch's longest row (:func:`padded_mean`)."""
     if reduction == "all":
-        return ((xs - target) ** 2).mean()
+        return padded_mean((xs - target) ** 2, mask, dims=(-2,))
     return masked_mean((xs - target) ** 2, mask)
+
+
+def padded_mean(x: torch.Tensor, mask: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """Mean of ``x`` over every entry, padded positions included, but along ``dims`` (token axes) only
+    up to the batch's longest row: the mean of the batch padded to its longest row, whatever wider
+    padding a compiled step's buckets add (the positions past it are left out, so the loss does not
+    depend on ``train.pad_to_multiple_of``). ``mask``: (B, n) attention mask, right-padded."""
+    keep = mask.bool().any(0).to(x.dtype)  # (n,): up to the longest row
+    others = float(x.numel())  # the entries along the other axes
+    for d in dims:
+        shape = [1] * x.dim()
+        shape[d] = -1
+        x = x * keep.view(shape)
+        others /= x.shape[d]
+    return x.sum() / (keep.sum() ** len(dims) * others)
 
 
 @register_loss("tinybert_hidden", params=TinyProjection, needs={"hidden_states"}, map_kinds=LAYER_MAP_KINDS,
@@ -140,7 +162,7 @@ def attention_mse(ss: torch.Tensor, st: torch.Tensor, mask: torch.Tensor, paddin
         pad_key = ~m[:, None, None, :]
         ss = ss.masked_fill(pad_key | (ss <= OFFICIAL_SCORE_FLOOR), 0.0)
         st = st.masked_fill(pad_key | (st <= OFFICIAL_SCORE_FLOOR), 0.0)
-        return ((ss - st) ** 2).mean()
+        return padded_mean((ss - st) ** 2, m, dims=(-2, -1))
     valid = (m[:, None, :, None] & m[:, None, None, :]).expand_as(ss)
     return masked_average((ss - st) ** 2, valid)
 

@@ -73,10 +73,32 @@ def resolve_tf32(value: Any, device_type: str) -> bool:
     return device_type == "cuda" and (value is True or value == "auto")
 
 
+def tf32_matmul() -> bool:
+    """Whether CUDA fp32 matmuls may use TF32 (process-wide), read through torch's ``fp32_precision``
+    where it has one (torch >= 2.9: once that API has set the flag, reading the legacy
+    ``allow_tf32`` raises), else through ``allow_tf32``."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        value = matmul.fp32_precision
+        if value == "none":  # not set for matmuls: the backends' default
+            value = getattr(torch.backends, "fp32_precision", "ieee")
+        return value == "tf32"
+    return bool(matmul.allow_tf32)
+
+
+def set_tf32_matmul(enabled: bool) -> None:
+    """Let CUDA fp32 matmuls use TF32 or not (process-wide), through the API :func:`tf32_matmul` reads."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        matmul.fp32_precision = "tf32" if enabled else "ieee"
+    else:
+        matmul.allow_tf32 = bool(enabled)
+
+
 def apply_tf32(enabled: bool, device_type: str) -> None:
     """Set TF32 for CUDA fp32 matmuls (process-wide); nothing is changed off CUDA."""
     if device_type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = bool(enabled)
+        set_tf32_matmul(enabled)
 
 
 @contextmanager
@@ -85,14 +107,14 @@ def exact_fp32_matmul(device_type: str) -> Iterator[None]:
     or where TF32 is already off. For kernels whose results cancel (Gram-matrix relations)."""
     # inside a compiled region the switch is not traced: the compiled step switches TF32 off
     # around the whole region instead (kdrun.engine.compiled.StepForward)
-    if device_type != "cuda" or not torch.backends.cuda.matmul.allow_tf32 or torch.compiler.is_compiling():
+    if device_type != "cuda" or torch.compiler.is_compiling() or not tf32_matmul():
         yield
         return
-    torch.backends.cuda.matmul.allow_tf32 = False
+    set_tf32_matmul(False)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = True
+        set_tf32_matmul(True)
 
 
 @dataclass

@@ -313,15 +313,21 @@ class Collator:
             [r["labels"] for r in rows], dtype=torch.float32 if self.regression else torch.long
         )
         batch["idx"] = torch.tensor([r["idx"] for r in rows], dtype=torch.long)
-        if "spans" in rows[0]:
-            batch["spans"] = pad_spans([r["spans"] for r in rows])
+        if "spans" in rows[0]:  # span counts bucketed too when widths are (a compiled step's shapes)
+            batch["spans"] = pad_spans([r["spans"] for r in rows], SPAN_MULTIPLE if self.multiple else 0)
         return batch
 
 
-def pad_spans(spans: Sequence[Any]) -> torch.Tensor:
-    """(B, S, 2) long: row i's ``[start, end)`` pairs, then -1; S the most pairs of a row."""
+# Span counts are rounded up to a multiple of this under train.pad_to_multiple_of (a compiled step
+# compiles once per (width, span count) shape; the -1 spans are masked out by every span term).
+SPAN_MULTIPLE = 8
+
+
+def pad_spans(spans: Sequence[Any], multiple: int = 0) -> torch.Tensor:
+    """(B, S, 2) long: row i's ``[start, end)`` pairs, then -1; S the most pairs of a row (rounded up
+    to ``multiple`` when it is > 0)."""
     counts = np.fromiter(map(len, spans), dtype=np.int64, count=len(spans))
-    most = int(counts.max()) if len(spans) else 0
+    most = bucket_width(int(counts.max()) if len(spans) else 0, multiple)
     out = torch.full((len(spans), most, 2), -1, dtype=torch.long)
     total = int(counts.sum())
     if not total:
