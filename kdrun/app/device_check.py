@@ -77,18 +77,18 @@ def checks() -> list[Spec]:
     pair = ("logit", "ckd")
     return [
         Spec("environment", "environment", (), 40, 15),
-        *step_specs(pair, "eager", 60, 20), *step_specs(pair, "graphed", 150, None),
+        *step_specs(pair, "eager", 60, 20), *step_specs(pair, "graphed", 150, 60),
         *step_specs(pair, "compiled", 120, 25),
         Spec("exact ckd", "exactness", ("ckd",), 90, 30), Spec("exact mgskd", "exactness", ("mgskd",), 90, 30),
         Spec("run eager", "real_run", ("eager",), 90, 30),
-        Spec("run graphed", "real_run", ("graphed",), 150, None, True),
+        Spec("run graphed", "real_run", ("graphed",), 150, 60, True),
         Spec("run compiled", "real_run", ("compiled",), 150, 40),
-        Spec("syncs", "syncs", (), 60, None, True),
+        Spec("syncs", "syncs", (), 60, 30, True),
         *step_specs(("mgskd",), "eager", 60, 20), *step_specs(("tinybert", "minilm"), "eager", 60, None),
-        *step_specs(("mgskd",), "graphed", 150, None),
+        *step_specs(("mgskd",), "graphed", 150, 60),
         Spec("tiny bf16", "tiny_run", ("bf16",), 90, 25), Spec("tiny fp16", "tiny_run", ("fp16",), 90, 25),
         Spec("tiny teacher store", "tiny_run", ("store",), 90, 30), Spec("export", "export", (), 120, 40),
-        Spec("fp16 skip", "fp16_skip", (), 40, None, True), Spec("doctor", "doctor", (), 240, None),
+        Spec("fp16 skip", "fp16_skip", (), 40, 20, True), Spec("doctor", "doctor", (), 240, None),
     ]
 
 

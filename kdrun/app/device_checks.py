@@ -510,11 +510,13 @@ def as_kdrun(result: Path, overrides: list[str]) -> int:
     return code if isinstance(code, int) else 1
 
 
-def die_with_parent(parent: int) -> None:
-    """SIGKILL to this process when the doctor dies (Linux), so a killed doctor leaves no check running."""
+def die_with_parent(parent: int | None = None) -> None:
+    """SIGKILL to this process when its parent dies (Linux): a killed doctor takes its check, and the
+    check the processes it started (the reference, a kdrun run), with it. ``parent``: the pid the
+    parent should have (else: not yet reparented to init)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the doctor died before the line above
+    if os.getppid() != parent if parent is not None else os.getppid() == 1:  # it died before the line above
         os._exit(1)
 
 
@@ -535,6 +537,7 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--as-kdrun"]:
+        die_with_parent()
         return as_kdrun(Path(argv[1]), argv[3:])
     ap = argparse.ArgumentParser(prog="python -m kdrun.app.device_checks")
     for flag in ("--check", "--tokenizer", "--parent"):
@@ -544,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fast", action="store_true")
     args = ap.parse_args(argv)
     if args.reference is not None:
+        die_with_parent()
         write_reference(args.reference, args.check, args.fast)
         return 0
     die_with_parent(int(args.parent))
