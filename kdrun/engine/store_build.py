@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kdrun.engine.store_keys import FORMAT_VERSION, RowMap, row_ids, stored_kinds
+from kdrun.engine.store_keys import FORMAT_VERSION, RowMap, build_collator, row_ids, stored_kinds
 from kdrun.models.features import Features, capture_of, extract_features
 from kdrun.runtime.syncs import host_section
 
@@ -121,7 +121,7 @@ def build_store(tmp: Path, teacher: torch.nn.Module, ds: Any, lengths: np.ndarra
     np.save(tmp / "offsets.npy", offsets)
     np.save(tmp / "ids.npy", ids)
     writer, kinds = _Writer(tmp, offsets, RowMap(ids), dtype), stored_kinds(needs)
-    loader, _ = make_loader(ds, batch_size, collator, seed=0, train=False)
+    loader, _ = make_loader(ds, batch_size, build_collator(collator), seed=0, train=False)
     teacher_needs = frozenset({*kinds, "logits"})
     device = accelerator.device
     t0, forward, batches = time.perf_counter(), 0.0, 0

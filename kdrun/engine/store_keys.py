@@ -4,9 +4,10 @@ cannot be served, and the size estimate checked before anything is built."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,9 @@ class StoreSettings:
     key: dict[str, Any] | None = None
     # how long a rank waits for rank 0's decision (seconds; cache_wait_timeout_s)
     wait_timeout_s: float = 12 * 3600.0
+    # per stage index: the dtype a store-able stage's live teacher features are rounded to, as its
+    # store serves them (teacher_store.live_as_stored); set when the stage opens, whatever the mode
+    served: dict[int, torch.dtype] = field(default_factory=dict)
     _weights: str | None = None
 
     def weights(self, teacher: torch.nn.Module) -> str:
@@ -166,6 +170,18 @@ def teacher_config(teacher: torch.nn.Module) -> dict[str, Any]:
     for k in ("_name_or_path", "transformers_version"):  # the path is not content; versions are keyed apart
         d.pop(k, None)
     return d
+
+
+def build_collator(collator: Any) -> Any:
+    """The collator the build pads its batches with: the run's, with widths never rounded up to
+    ``train.pad_to_multiple_of`` (``multiple``, and the ``limit`` that caps the rounding). Stored
+    rows are unpadded, so an entry serves every multiple, and its outputs do not depend on the
+    run's: the key leaves the multiple out."""
+    if not isinstance(getattr(collator, "multiple", None), int) or not collator.multiple:
+        return collator
+    plain = copy.copy(collator)
+    plain.multiple, plain.limit = 0, None
+    return plain
 
 
 def collator_settings(collator: Any) -> dict[str, Any]:
@@ -202,5 +218,6 @@ def store_key(settings: StoreSettings, teacher: torch.nn.Module, collator: Any, 
     given = {k: v for k, v in (settings.key or {}).items() if data == "augmented" or k != "augmentation"}
     return content_hash({"version": FORMAT_VERSION, "teacher": settings.weights(teacher),
                          "teacher_config": teacher_config(teacher), "rows": _array_hash(ids, lengths),
-                         "collator": collator_settings(collator), "data": data, "versions": code_versions(),
-                         "kinds": kinds, "dtype": settings.dtype, "precision": precision, **given})
+                         "collator": collator_settings(build_collator(collator)), "data": data,
+                         "versions": code_versions(), "kinds": kinds, "dtype": settings.dtype,
+                         "precision": precision, **given})

@@ -114,6 +114,38 @@ class StoreReader:
                         spans=batch.get("spans") if "spans" in needs else None, extra=extra)
 
 
+def served(x: torch.Tensor, dtype: torch.dtype, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` as a store of ``dtype`` serves it, in fp32: a per-token output (B, n, w) zero past each
+    row's length (``valid``: (B, n) bool), every value rounded to ``dtype`` as the build writes it.
+    fp16 keeps what lies beyond its range as it is: the store refuses such outputs and the stage
+    runs live, so every mode gives the same numbers."""
+    if x.dim() == 3 and valid is not None:
+        x = x.masked_fill(~valid[..., None], 0)
+    y = x.to(dtype).float()
+    if dtype == torch.float16:
+        y = torch.where(torch.isinf(y) & torch.isfinite(x), x.float(), y)
+    return y
+
+
+def as_stored(feats: Features, dtype: torch.dtype | None) -> Features:
+    """The live teacher's features as a store of ``dtype`` gives them (:meth:`StoreReader.features`
+    on the same values): the live and the stored paths then differ in speed only. None: unchanged."""
+    if dtype is None:
+        return feats
+    valid = feats.attention_mask.bool()
+    keep = lambda x: served(x, dtype, valid)  # noqa: E731
+    extra = dict(feats.extra)
+    rec = extra.get("attention_inputs")
+    if rec is not None:
+        layers = range(1, rec.num_layers + 1)
+        q, k, v = ([keep(rec.projection(w, i)) for i in layers] for w in ("q", "k", "v"))
+        extra["attention_inputs"] = AttentionInputs(q, k, v, rec.heads, rec.scaling)
+    hidden = tuple(map(keep, feats.hidden_states)) if feats.hidden_states is not None else None
+    logits = keep(feats.logits) if feats.logits is not None else None
+    return Features(logits=logits, attention_mask=feats.attention_mask, hidden_states=hidden,
+                    spans=feats.spans, extra=extra)
+
+
 class StoreCollator:
     """The training collator, plus the batch's stored teacher outputs (gathered by ``idx``)."""
 

@@ -79,6 +79,7 @@ from kdrun.engine.store_keys import (
     RowMap,
     StoreSettings,
     _size,
+    build_collator,
     code_versions,
     collator_settings,
     estimate_bytes,
@@ -94,11 +95,14 @@ from kdrun.engine.store_keys import (
 from kdrun.engine.store_read import (
     StoreCollator,
     StoreReader,
+    as_stored,
     forward_seconds_per_row,
     read_seconds_per_row,
     sample_rows,
+    served,
 )
 from kdrun.errors import UserError
+from kdrun.models.features import Features
 from kdrun.runtime.cache import (
     get_or_build,
     wait_for_entry,
@@ -264,15 +268,17 @@ def open_stage_store(parts: Any, plan: Any, ds: Any, strategy: Any = None, state
     The decision is rank 0's, taken once per stage and kept in ``state.store_decisions`` (the
     checkpoint), so a resumed run reads as it did."""
     settings: StoreSettings | None = getattr(parts, "store", None)
-    if settings is None or settings.mode == "off" or not plan.uses_teacher or parts.teacher is None:
+    if settings is None or not plan.uses_teacher or parts.teacher is None:
         return None
     acc = parts.accelerator
     teacher = acc.unwrap_model(parts.teacher)
     teacher = getattr(teacher, "_orig_mod", teacher)
     say = print if acc.is_main_process else (lambda *a, **k: None)
-    reason = why_not_storable(plan.teacher_needs, teacher, strategy)
-    if reason is None and plan.teacher_reads_padding:  # the store keeps real tokens only
-        reason = "a term reads the teacher's outputs at padded positions (TinyBERT's official reductions)"
+    reason = _unstorable(plan, teacher, strategy)
+    if reason is None:  # live or stored, the stage's teacher outputs are the store's (live_as_stored)
+        settings.served[plan.index] = STORE_DTYPES[settings.dtype]
+    if settings.mode == "off":
+        return None
     if reason:
         say(f"[kdrun] teacher store not used for stage '{plan.name}': {reason}")
         return None
@@ -299,6 +305,29 @@ def open_stage_store(parts: Any, plan: Any, ds: Any, strategy: Any = None, state
         print(f"[kdrun] rank {acc.process_index}: teacher store for stage '{plan.name}': "
               f"{'store ' + decision['key'] if decision['use'] else 'live'} (rank 0's decision)", flush=True)
     return _open_decided(st, decision["key"]) if decision["use"] else None
+
+
+def _unstorable(plan: Any, teacher: torch.nn.Module, strategy: Any) -> str | None:
+    """Why the stage's teacher outputs cannot be stored, or None."""
+    reason = why_not_storable(plan.teacher_needs, teacher, strategy)
+    if reason is None and plan.teacher_reads_padding:  # the store keeps real tokens only
+        reason = "a term reads the teacher's outputs at padded positions (TinyBERT's official reductions)"
+    return reason
+
+
+def live_as_stored(parts: Any, plan: Any, feats: Features) -> Features:
+    """The live teacher's features of a stage whose outputs the store can keep, as its store serves
+    them (zero past each row's length, rounded to ``teacher.store_dtype``, fp32), so that
+    ``teacher.store`` (auto, on, off) changes the speed only; other stages' features unchanged."""
+    settings = getattr(parts, "store", None)
+    return as_stored(feats, settings.served.get(plan.index) if settings is not None else None)
+
+
+def logits_as_stored(parts: Any, plan: Any, logits: torch.Tensor) -> torch.Tensor:
+    """A logits-only stage's in-run table of the live teacher's logits (N, C), as its store serves them."""
+    settings = getattr(parts, "store", None)
+    dtype = settings.served.get(plan.index) if settings is not None else None
+    return logits if dtype is None else served(logits, dtype)
 
 
 def _open_decided(st: _Stage, key: str) -> StoreReader:
@@ -328,5 +357,6 @@ __all__ = [
     "StoreSettings", "StoreOverflow", "StoreReader", "StoreCollator", "weights_hash", "row_lengths", "row_ids",
     "stored_kinds", "why_not_storable", "estimate_bytes", "free_bytes", "teacher_config", "collator_settings",
     "code_versions", "store_key", "build_store", "sample_rows", "read_seconds_per_row", "forward_seconds_per_row",
-    "open_stage_store", "_Writer", "_sync",
+    "open_stage_store", "live_as_stored", "logits_as_stored", "as_stored", "served", "build_collator",
+    "_Writer", "_sync",
 ]
