@@ -36,7 +36,7 @@ def entries(cache: Path) -> list[Path]:
 
 
 def test_store_run_gives_the_live_teachers_student(run_cfg, cache_dir: Path, tmp_path: Path) -> None:
-    live = quiet_run(run_cfg(*TINYBERT, "teacher.store=off"), tmp_path / "live")
+    live = quiet_run(run_cfg(*TINYBERT, "teacher.store=off", "teacher.store_dtype=fp32"), tmp_path / "live")
     assert "teacher store" not in live
     out = quiet_run(run_cfg(*TINYBERT, "teacher.store=on", "teacher.store_dtype=fp32"), tmp_path / "stored")
     assert out.count("teacher store: building") == 2 and "the teacher does not run" in out
@@ -171,7 +171,7 @@ def test_two_processes_store_run_gives_the_live_teachers_student(tmp_path: Path)
     from tests.test_sweeps import weights
 
     args = [*TINY, *TOY, *TINYBERT, f"cache_dir={tmp_path}/cache"]
-    live = torchrun(tmp_path, *args, "teacher.store=off", f"output_dir={tmp_path}/live")
+    live = torchrun(tmp_path, *args, "teacher.store=off", "teacher.store_dtype=fp32", f"output_dir={tmp_path}/live")
     assert live.returncode == 0, live.stdout[-2000:] + live.stderr[-3000:]
     stored = torchrun(tmp_path, *args, "teacher.store=on", "teacher.store_dtype=fp32", f"output_dir={tmp_path}/stored")
     assert stored.returncode == 0, stored.stdout[-2000:] + stored.stderr[-3000:]

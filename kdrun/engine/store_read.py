@@ -119,12 +119,10 @@ def served(x: torch.Tensor, dtype: torch.dtype, valid: torch.Tensor | None = Non
     row's length (``valid``: (B, n) bool), every value rounded to ``dtype`` as the build writes it.
     fp16 keeps what lies beyond its range as it is: the store refuses such outputs and the stage
     runs live, so every mode gives the same numbers."""
-    if x.dim() == 3 and valid is not None:
-        x = x.masked_fill(~valid[..., None], 0)
     y = x.to(dtype).float()
     if dtype == torch.float16:
-        y = torch.where(torch.isinf(y) & torch.isfinite(x), x.float(), y)
-    return y
+        y = torch.where(torch.isinf(y), x.float(), y)
+    return y * valid[..., None] if x.dim() == 3 and valid is not None else y  # masks multiply
 
 
 def as_stored(feats: Features, dtype: torch.dtype | None) -> Features:
