@@ -139,20 +139,21 @@ def test_a_check_gets_what_is_left_of_the_budget_and_later_ones_are_skipped(tmp_
 
 def test_a_killed_doctor_leaves_valid_lines_and_no_check_running(tmp_path: Path) -> None:
     mark = f"KDRUN_TEST_MARK={tmp_path}".encode()  # inherited by every process the doctor starts
-    doc = subprocess.Popen(doctor_cmd(tmp_path, "--fast", "--checks", "environment,exact"), cwd=REPO,
+    doc = subprocess.Popen(doctor_cmd(tmp_path, "--fast", "--checks", "environment,run eager"), cwd=REPO,
                            env={**os.environ, "KDRUN_TEST_MARK": str(tmp_path)}, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
     jsonl = tmp_path / device_check.JSONL
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (not jsonl.exists() or jsonl.read_text().count("\n") < 2):
         time.sleep(0.1)
-    time.sleep(6.0)  # the next check (exact ckd) has started its fp64 reference process
-    assert len(marked(mark)) >= 2, "the check and its reference process should be running"
+    while time.monotonic() < deadline and len(marked(mark)) < 3:
+        time.sleep(0.2)  # the next check (run eager) has started its kdrun run
+    assert len(marked(mark)) >= 3, "the doctor, its check and the check's kdrun run should be running"
     doc.send_signal(signal.SIGKILL)
     doc.wait()
     assert [r["name"] for r in read_lines(tmp_path)] == ["meta", "environment"]
     time.sleep(1.0)
-    assert marked(mark) == []  # the check and its reference died with the doctor (PR_SET_PDEATHSIG)
+    assert marked(mark) == []  # the check and its run died with the doctor (PR_SET_PDEATHSIG)
 
 
 def marked(mark: bytes) -> list[int]:

@@ -255,8 +255,13 @@ def write_reference(path: Path, objective: str, fast: bool) -> None:
 
 
 def reference(ctx: Ctx, objective: str) -> tuple[float, Any]:
+    """The fp64 CPU reference: in its own process without CUDA where the check runs on CUDA, else here."""
     import torch
 
+    if ctx.device == "cpu":
+        from kdrun.app.doctor_steps import compose_objectives
+
+        return loss_and_grads(compose_objectives([objective])[objective], "cpu", torch.float64, ctx, None)
     path = ctx.tmp / f"reference-{objective}.pt"
     cmd = [sys.executable, "-m", "kdrun.app.device_checks", "--reference", str(path), "--check", objective,
            *(["--fast"] if ctx.fast else [])]

@@ -13,6 +13,10 @@ student (random weights, no download) with logit KD and with CKD, with the ATen 
 (kdrun.runtime.ops). Everything is also written to a JSON file. Exit status 0 when every check that applies
 passed, 1 otherwise.
 ``--quick`` shrinks the throughput models to a tiny shape (CPU, tests).
+
+    kdrun-doctor --device-check --out DIR [--fast] [--budget-s N] [--tokenizer DIR]
+
+runs the GPU measurements of kdrun.app.device_check instead, each check in its own process group.
 """
 
 from __future__ import annotations
@@ -320,7 +324,12 @@ Check a node before a sweep; one printed line per check:
                   weights, nothing downloaded)
 
 Everything is also written as JSON (--out). Exit status 0 when every check that applies passed,
-1 otherwise."""
+1 otherwise.
+
+--device-check --out DIR runs the GPU measurements instead (docs/speed.md, "The device check"): the training
+step's tokens/s eager, compiled and graphed at the papers' shape, CKD and MGSKD against an fp64
+reference, real runs per step mode, tiny runs and kdrun-export; each check in its own process
+group under a hard timeout and a total budget, one JSON line each in DIR/device_check.jsonl."""
 REPORT_NAME = "kdrun-doctor.json"
 
 
@@ -328,9 +337,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="kdrun-doctor", description=DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None, metavar="FILE",
-                    help="with --device-check: the folder of its JSON lines (required); else the JSON report"
-                         f"  (default: {REPORT_NAME} in the cache directory, $KDRUN_CACHE_DIR or "
-                         "~/.cache/kdrun, else in a new temporary directory; the path is printed)")
+                    help=f"the JSON report (default: {REPORT_NAME} in the cache directory, $KDRUN_CACHE_DIR or "
+                         "~/.cache/kdrun, else in a new temporary directory; the path is printed); with "
+                         "--device-check: the folder of its JSON lines (required)")
     ap.add_argument("--quick", action="store_true", help="a tiny shape for the throughput check (CPU, tests)")
     from kdrun.app.device_check import add_arguments
 
