@@ -3,6 +3,7 @@
 # Python 3.12, torch 2.11, transformers 5.17, huggingface_hub 1.33, accelerate 1.15.
 #
 #     bash scripts/check_stack.sh [VENV]       (default /tmp/kdrun-stack; run by hand, not by CI)
+#     PYTHON=/path/to/python3.12 bash scripts/check_stack.sh     (where python3.12 is not on PATH)
 #
 # Makes the virtual environment, installs that stack and kdrun (editable, with the dev extra), then
 # runs kdrun-doctor --device-check --fast and the fast test loop (pytest -m "not slow") there, and
