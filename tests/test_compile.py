@@ -100,7 +100,7 @@ def test_compiled_run_equals_uncompiled(run_cfg, tmp_path: Path) -> None:
     stage = compiled["stages"][0]
     # the toy task's rows are at most 48 tokens: widths 16, 32 and 48, one graph each at most
     assert stage["step_mode"] == "compiled" and 1 <= stage["compilations"] <= 3
-    assert "step_mode" not in plain["stages"][0]
+    assert plain["stages"][0]["step_mode"] == "eager" and plain["stages"][0]["compilations"] == 0
 
 
 def test_a_random_layer_map_runs_eagerly_under_compile(run_cfg, tmp_path: Path, caplog) -> None:
@@ -108,7 +108,7 @@ def test_a_random_layer_map_runs_eagerly_under_compile(run_cfg, tmp_path: Path, 
 
     res = run(run_cfg("objective=pkd", "mapping=random", "train.epochs=1", "train.compile=true",
                       "train.compile_backend=eager", "task.toy.num_train=64"), tmp_path / "r")
-    assert "step_mode" not in res["stages"][0]
+    assert res["stages"][0]["step_mode"] == "eager" and res["stages"][0]["compilations"] == 0
     assert "runs eagerly: its layer map redraws its pairs every step" in caplog.text
 
 
@@ -148,7 +148,7 @@ def test_the_collator_pads_to_the_bucket() -> None:
     assert Collator(0, False)(rows)["input_ids"].shape == (2, 17)
 
 
-def test_cuda_graphs_are_refused_off_cuda_and_under_fp16(run_cfg) -> None:
+def test_cuda_graphs_are_refused_off_cuda_under_fp16_with_accumulation_and_ddp(run_cfg) -> None:
     from types import SimpleNamespace
 
     from kdrun.app.preflight import preflight
@@ -158,6 +158,10 @@ def test_cuda_graphs_are_refused_off_cuda_and_under_fp16(run_cfg) -> None:
     with pytest.raises(ConfigError, match="does not run under fp16"):
         step_mode(SimpleNamespace(cuda_graphs=True, compile=False), "cuda", "fp16")
     assert step_mode(SimpleNamespace(cuda_graphs=True, compile=False), "cuda", "bf16") == "graphed"
+    with pytest.raises(ConfigError, match=r"does not run with train.gradient_accumulation_steps=2"):
+        step_mode(SimpleNamespace(cuda_graphs=True, gradient_accumulation_steps=2), "cuda", "bf16")
+    with pytest.raises(ConfigError, match=r"does not run with 2 processes \(DDP\)"):
+        step_mode(SimpleNamespace(cuda_graphs=True), "cuda", "bf16", world_size=2)
     assert step_mode(SimpleNamespace(cuda_graphs=False, compile=True), "cpu", "no") == "compiled"
 
 

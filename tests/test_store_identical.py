@@ -31,10 +31,8 @@ def assert_same_student(a: Path, b: Path) -> None:
 
 # The live side rounds once kdrun.engine.compiled.live_teacher returns live_as_stored(parts, plan, features)
 # and kdrun.engine.evaluation._teacher_logit_table keeps logits_as_stored(parts, plan, logits).
-LIVE_SIDE = pytest.mark.xfail(strict=True, reason="the live teacher's features are not yet served as stored")
 
 
-@LIVE_SIDE
 @pytest.mark.parametrize("objective", list(OBJECTIVES))
 def test_store_on_and_off_train_the_same_student(objective: str, run_cfg, cache_dir: Path, tmp_path: Path) -> None:
     """The default student (``truncated``) and store dtype (fp16): read from the store or run live,

@@ -59,7 +59,7 @@ def test_store_gives_the_live_teachers_student_for_every_kind(kind: str, tmp_pat
     from kdrun.engine.teacher_store import StoreReader
 
     args = KINDS[kind](tmp_path)
-    live = _run(tmp_path, "live", [*args, "teacher.store=off"])
+    live = _run(tmp_path, "live", [*args, "teacher.store=off", "teacher.store_dtype=fp32"])
     assert "teacher does not run" not in live
     stored = _run(tmp_path, "stored", [*args, "teacher.store=on", "teacher.store_dtype=fp32"])
     assert "the teacher does not run" in stored, stored[-2000:]

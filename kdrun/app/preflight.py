@@ -81,7 +81,10 @@ def preflight(cfg: DictConfig) -> RunPlan:
 
 
 def _check_step_mode(train: Any) -> None:
-    """train.cuda_graphs where it cannot run (no CUDA device, fp16), named before any model loads."""
+    """train.cuda_graphs where it cannot run (no CUDA device, fp16, gradient accumulation, several
+    processes), named before any model loads."""
+    import os
+
     import torch
 
     from kdrun.engine.compiled import step_mode
@@ -89,7 +92,7 @@ def _check_step_mode(train: Any) -> None:
     device = str(train.device).split(":")[0]
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    step_mode(train, device, str(train.precision))
+    step_mode(train, device, str(train.precision), int(os.environ.get("WORLD_SIZE", "1") or 1))
 
 
 def _check_weights(plans: list) -> None:

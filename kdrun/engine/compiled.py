@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kdrun.engine.teacher_store import live_as_stored
 from kdrun.models.features import PROJECTION_NEEDS, Features, capture_of, extract_features, unwrapped
 from kdrun.runtime.precision import exact_fp32_matmul
 
@@ -46,25 +47,37 @@ def forward_loss(parts: Any, plan: Any, batch: dict[str, Any], teacher: Features
 
 def live_teacher(parts: Any, plan: Any, batch: dict[str, Any]) -> Features:
     """The frozen teacher's forward pass on ``batch``: under ``no_grad`` (not inference mode), so its
-    features join the student's graph without copies."""
-    with torch.no_grad(), parts.accelerator.autocast():
-        return extract_features(parts.teacher, batch, plan.teacher_needs)
+    features join the student's graph without copies; on a stage whose outputs the teacher-output
+    store can keep, served exactly as the store serves them (kdrun.engine.teacher_store.live_as_stored),
+    so that ``teacher.store`` changes the speed only."""
+    with torch.no_grad():
+        with parts.accelerator.autocast():
+            feats = extract_features(parts.teacher, batch, plan.teacher_needs)
+        return live_as_stored(parts, plan, feats)  # as the teacher-output store would give them
 
 
-def step_mode(train_cfg: Any, device_type: str, precision: str) -> str:
+def step_mode(train_cfg: Any, device_type: str, precision: str, world_size: int = 1) -> str:
     """The stage's step mode from ``train.compile`` / ``train.cuda_graphs``; ConfigError naming the
-    key where CUDA graphs cannot run (off CUDA, or under fp16)."""
+    key where CUDA graphs cannot run: off CUDA, under fp16, with gradient accumulation or several
+    processes (a replayed backward's gradients live in the graph's memory, which the next replay
+    overwrites before an accumulated or all-reduced gradient is used)."""
     from kdrun.errors import ConfigError
 
-    if getattr(train_cfg, "cuda_graphs", False):
-        if device_type != "cuda":
-            raise ConfigError(f"train.cuda_graphs=true needs a CUDA device (this run's is {device_type}); "
-                              "use train.compile=true, or drop train.cuda_graphs")
-        if precision == "fp16":
-            raise ConfigError("train.cuda_graphs=true does not run under fp16: its loss scaler reads the "
-                              "gradients on the host every step; use train.precision=bf16, or drop train.cuda_graphs")
-        return "graphed"
-    return "compiled" if getattr(train_cfg, "compile", False) else "eager"
+    if not getattr(train_cfg, "cuda_graphs", False):
+        return "compiled" if getattr(train_cfg, "compile", False) else "eager"
+    if device_type != "cuda":
+        raise ConfigError(f"train.cuda_graphs=true needs a CUDA device (this run's is {device_type}); "
+                          "use train.compile=true, or drop train.cuda_graphs")
+    if precision == "fp16":
+        raise ConfigError("train.cuda_graphs=true does not run under fp16: its loss scaler reads the "
+                          "gradients on the host every step; use train.precision=bf16, or drop train.cuda_graphs")
+    accumulate = int(getattr(train_cfg, "gradient_accumulation_steps", 1) or 1)
+    if accumulate > 1 or world_size > 1:
+        what = (f"train.gradient_accumulation_steps={accumulate}" if accumulate > 1
+                else f"{world_size} processes (DDP)")
+        raise ConfigError(f"train.cuda_graphs=true does not run with {what}: a replayed backward's gradients "
+                          "are overwritten by the next replay; use train.compile=true instead")
+    return "graphed"
 
 
 def stage_forward(parts: Any, plan: Any, strategy: Any = None) -> StepForward:
@@ -73,7 +86,7 @@ def stage_forward(parts: Any, plan: Any, strategy: Any = None) -> StepForward:
     The region's row count is the stage's batch size (the loader's), so a short batch runs eagerly
     wherever it comes (an epoch's last, the first after a resume)."""
     acc, tcfg = parts.accelerator, parts.train_cfg
-    mode = step_mode(tcfg, acc.device.type, acc.precision.name)
+    mode = step_mode(tcfg, acc.device.type, acc.precision.name, getattr(parts, "world_size", 1))
     reason = eager_reason(parts, plan, strategy) if mode != "eager" else None
     if reason is not None:
         log.warning("train.compile: stage %r runs eagerly: %s", plan.name, reason)
@@ -181,8 +194,8 @@ class StepForward:
 
     def _replay(self, batch: dict[str, Any], teacher: Features | None):
         """CUDA-graph replay semantics, eagerly: static inputs per shape, static outputs overwritten."""
-        shape = tuple(batch["attention_mask"].shape)
-        inputs, outs = self._static.setdefault(shape, ({}, {}))
+        shapes = tuple((k, tuple(v.shape)) for k, v in batch.items() if torch.is_tensor(v))  # one graph per shapes
+        inputs, outs = self._static.setdefault(shapes, ({}, {}))
         for k, v in batch.items():
             if torch.is_tensor(v):
                 inputs.setdefault(k, torch.empty_like(v)).copy_(v)

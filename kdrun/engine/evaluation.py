@@ -116,4 +116,7 @@ def _teacher_logit_table(parts: RunParts, plan: StagePlan) -> LogitTable:
     logits, _ = predict(parts.teacher, parts.train_data, parts.collator, parts.train_cfg.eval_batch_size,
                         parts.accelerator, desc="teacher logits", world_size=parts.world_size, join=kind.join_logits)
     ids = torch.as_tensor(np.asarray(parts.train_data["idx"]), dtype=torch.long)
-    return LogitTable(torch.from_numpy(logits).to(parts.accelerator.device), ids, fit=kind.batch_logits)
+    from kdrun.engine.teacher_store import logits_as_stored
+
+    table = logits_as_stored(parts, plan, torch.from_numpy(logits))  # as a store of the stage serves them
+    return LogitTable(table.to(parts.accelerator.device), ids, fit=kind.batch_logits)

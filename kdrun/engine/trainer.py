@@ -253,8 +253,8 @@ def finish_stage(parts: RunParts, loop: StageLoop, state: TrainState) -> None:
         result = {"stage": plan.name, "steps": state.stage_step, "metrics": last["metrics"],
                   "best_metric": state.best_metric if state.best_stage == plan.index else None}
         forward = getattr(loop, "forward", None)
-        if forward is not None and forward.mode != "eager":  # the graphs compiled (this process's part of the stage)
-            result.update(step_mode=forward.mode, compilations=forward.compilations)
+        if forward is not None:  # how its steps ran; the graphs compiled (this process's part of the stage)
+            result.update(step_mode=forward.mode, compilations=forward.compilations, graph_breaks=forward.graph_breaks)
         state.stage_results.append(result)
         # The next stage starts fresh; the checkpoint below marks this one as finished.
         state.stage += 1
