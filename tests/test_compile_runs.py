@@ -17,14 +17,14 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from tests.test_spans import write_corpus
 
 # The toy task's rows are 5-48 tokens; padded to multiples of 16 they fall into widths 16, 32, 48.
 WIDTHS = 3
-BASE = ["student.dropout=0.0", "train.num_threads=1", "train.pad_to_multiple_of=16", "task.toy.num_train=160", "train.epochs=1"]
+BASE = ["student.dropout=0.0", "train.num_threads=1", "train.pad_to_multiple_of=16", "task.toy.num_train=160",
+        "train.epochs=1"]
 FAMILIES = {
     "logit": [],
     "ckd": [],
@@ -68,7 +68,8 @@ def test_a_compiled_run_compiles_once_per_width_without_graph_breaks(name: str, 
     for stage in res["stages"]:
         assert stage["steps"] >= 20, stage
         assert stage["graph_breaks"] == 0, (name, stage)
-        assert stage["compilations"] <= WIDTHS, (name, stage)
+        # MGSKD's span stage: one graph per (width, span-count bucket of 8); the toy rows give <= 2 buckets
+        assert stage["compilations"] <= WIDTHS * (2 if stage["stage"] == "structural" else 1), (name, stage)
         if name == "ckd_gradnorm" and stage["stage"] != "prediction":
             assert stage["step_mode"] == "eager" and stage["compilations"] == 0
         else:

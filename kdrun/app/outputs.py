@@ -16,16 +16,6 @@ from kdrun.runtime.cache import staging_dir, write_json_atomic
 from kdrun.runtime.provenance import git_commit, main_versions
 
 
-def count_forwards(model, counts: dict[str, int]) -> None:
-    """Count ``model``'s forward passes and rows into ``counts`` (results.json ``teacher_forward``)."""
-    def hook(_module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        counts["batches"] += 1
-        counts["rows"] += int(ids.shape[0]) if ids is not None else 0
-
-    getattr(model, "_orig_mod", model).register_forward_pre_hook(hook, with_kwargs=True)
-
-
 def write_outputs(session: Session, data: RunData, models: Models, parts, state, stages_s: float) -> dict[str, Any]:
     """Evaluate the kept student and write it, results.json and the tracker's summary."""
     from kdrun.engine.trainer import evaluate, finalize_best

@@ -24,8 +24,9 @@ from kdrun.app.context import (
 )
 from kdrun.app.identity import PROVENANCE, check_identity, move_aside, recorded_run, write_record
 from kdrun.app.models import build_student, load_teacher
-from kdrun.app.outputs import count_forwards, write_outputs
+from kdrun.app.outputs import write_outputs
 from kdrun.app.preflight import ConfigError, RunPlan, preflight
+from kdrun.models.features import count_forwards
 from kdrun.report.summary import print_summary
 from kdrun.runtime.provenance import provenance
 

@@ -24,7 +24,14 @@ from typing import Any
 import torch
 
 from kdrun.engine.teacher_store import live_as_stored
-from kdrun.models.features import PROJECTION_NEEDS, Features, capture_of, extract_features, unwrapped
+from kdrun.models.features import (
+    PROJECTION_NEEDS,
+    Features,
+    capture_of,
+    count_forward,
+    extract_features,
+    unwrapped,
+)
 from kdrun.runtime.precision import exact_fp32_matmul
 
 log = logging.getLogger(__name__)
@@ -186,6 +193,8 @@ class StepForward:
             torch.compiler.cudagraph_mark_step_begin()
         with self._exact_fp32():
             loss, vec, keys = self._compiled(batch, teacher)
+        if teacher is None and self.plan.uses_teacher:  # the live teacher's pass, traced uncounted
+            count_forward(self.parts.teacher, int(batch["attention_mask"].shape[0]))
         self.compilations += counters["stats"]["unique_graphs"] - before[0]
         self.graph_breaks += sum(counters["graph_break"].values()) - before[1]
         if self.mode == "graphed":  # copied out of the graph's memory before the next replay

@@ -187,6 +187,32 @@ def model_inputs(batch: Mapping[str, torch.Tensor], model: nn.Module | None = No
     return {k: batch[k] for k in keys if k in batch}
 
 
+FORWARD_COUNTS = "kdrun_forward_counts"  # the attribute holding a model's counted forward passes
+
+
+def count_forwards(model: nn.Module, counts: dict[str, int]) -> None:
+    """Count ``model``'s forward passes and rows into ``counts`` ({"batches", "rows"}). A pass traced
+    into a compiled step is not counted by the hook (a Python counter read while tracing becomes a
+    guard: the step would recompile at every call); the step counts it (:func:`count_forward`)."""
+    def hook(_module, args, kwargs):
+        if torch.compiler.is_compiling():
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        count_forward(_module, int(ids.shape[0]) if ids is not None else 0)
+
+    target = unwrapped(model)
+    setattr(target, FORWARD_COUNTS, counts)
+    target.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def count_forward(model: nn.Module | None, rows: int) -> None:
+    """One forward pass of ``rows`` rows, where :func:`count_forwards` counts ``model``'s passes."""
+    counts = getattr(unwrapped(model), FORWARD_COUNTS, None) if model is not None else None
+    if counts is not None:
+        counts["batches"] += 1
+        counts["rows"] += rows
+
+
 def unwrapped(model: nn.Module) -> nn.Module:
     """The model inside a DDP (``module``) or torch.compile (``_orig_mod``) wrapper."""
     while True:
