@@ -223,3 +223,24 @@ def test_more_widths_than_dynamos_default_limit_each_get_a_graph(objectives) -> 
     for i, width in enumerate(range(4, 52, 4)):
         step(fixed_batch(4, width, 100, seed=i))
     assert step.loop.forward.compilations == 12
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_angle_kernel_compiles_with_its_gradients(window) -> None:
+    """The angle kernel (kdrun::angle_sum) is one operator to torch.compile: the compiled loss and its
+    gradient equal eager's. (Traced as an autograd.Function, torch 2.11 lost its gradient: zero under
+    compile; scripts/check_stack.sh runs this on that stack.)"""
+    from kdrun.losses.relations import angle_loss
+
+    torch.manual_seed(0)
+    mask = torch.ones(4, 16, dtype=torch.long)
+    mask[1, 10:] = mask[2, 5:] = 0
+    xt, x0 = torch.randn(4, 16, 8), torch.randn(4, 16, 8)
+    out = []
+    for fn in (angle_loss, torch.compile(angle_loss, backend="aot_eager", fullgraph=True)):
+        xs = x0.clone().requires_grad_(True)
+        value = fn(xs, xt, mask, loss="huber", window=window)
+        value.backward()
+        out.append((float(value), xs.grad))
+    assert out[1][0] == pytest.approx(out[0][0], rel=1e-6) and float(out[0][1].norm()) > 0
+    torch.testing.assert_close(out[1][1], out[0][1], rtol=1e-5, atol=1e-8)

@@ -2,7 +2,7 @@
 swept in chunks of (point set, vertex) with the gradient fused into the forward pass.
 
 :func:`kdrun.losses.relations.angle_loss` prepares the Gram matrices and per-vertex pieces of both
-sides and calls :class:`AngleLoss`; nothing of size n^3 (or n w^2) outlives a chunk. MGSKD's
+sides and calls :func:`angle_sum`; nothing of size n^3 (or n w^2) outlives a chunk. MGSKD's
 salient triples (chosen vertices, each with its chosen neighbours) go through
 :class:`SalientAngleLoss`, which reads the Gram entries it needs in one gather.
 """
@@ -10,7 +10,7 @@ salient triples (chosen vertices, each with its chosen neighbours) go through
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -86,49 +86,71 @@ def _chunk_loss(
     return val, diff.clamp_(-beta, beta) if want_grad else None, True  # 1/beta: the backward's factor
 
 
-class AngleLoss(torch.autograd.Function):
+def angle_sum(g, c, inv, valid, window, loss: str, beta: float, chunk_elems: int, want: bool) -> torch.Tensor:
     """Sum over valid triples of LD(psi_s, psi_t), chunked over vertices, gradient fused into forward.
 
     Inputs are both sides' Gram matrices ``g`` (2, P, n, n) and per-vertex pieces ``c``, ``inv``
     (2, P, n, w) (``angle_pieces``), the student's at index 0 and the teacher's at 1 (no gradient
     flows to it), so each chunk's cosines of both sides are one set of ops. The forward sweeps
-    (point set, vertex) chunks and, when a gradient is wanted, accumulates dL/dG, dL/dc, dL/dinv
-    right away, so nothing of size n^3 (or n w^2) outlives a chunk and the backward pass only scales
-    the stored gradients (the teacher's half stays 0).
+    (point set, vertex) chunks and, when a gradient is wanted (``want``), accumulates dL/dG, dL/dc,
+    dL/dinv right away, so nothing of size n^3 (or n w^2) outlives a chunk and the backward pass only
+    scales the stored gradients (the teacher's half stays 0).
+
+    The sweep is one operator of its own (``kdrun::angle_sum``, :func:`torch.library.custom_op`):
+    opaque to ``torch.compile``, which calls it as it is instead of tracing its chunk loop and its
+    in-place accumulation (torch 2.11's tracing of that loop as an autograd.Function lost the
+    gradients: zero under compile, right eagerly).
     """
+    return _angle_op(g, c, inv, valid, window, loss, float(beta), int(chunk_elems), bool(want))[0]
 
-    @staticmethod
-    def forward(ctx, g, c, inv, valid, window, loss, beta, chunk_elems, want):  # type: ignore[override]
-        _, P, n, w = c.shape
-        windowed = w < n
-        if windowed:
-            side = n + 2 * window
-            src = F.pad(g, (window, window, window, window))
-            # H[s, p, j, a, b] = Gpad[s, p, j + a, j + b]: a strided view, nothing gathered or copied.
-            h_all = src.as_strided((2, P, n, w, w), (P * side * side, side * side, side + 1, side, 1))
-            ar = torch.arange(w, device=g.device)
-            flat_local = ar[:, None] * side + ar[None, :]  # (w, w) offsets from the vertex's corner
-        grads = [torch.zeros_like(x) for x in ((src if windowed else g), c, inv)] if want else None
-        total = None  # summed in fp64 over several chunks, no host sync per chunk
-        for p0, p1, j0, j1 in _chunks(P, n, w, chunk_elems):
-            h = h_all[:, p0:p1, j0:j1] if windowed else g[:, p0:p1, None]
-            cos, scale = cosines(h, c[:, p0:p1, j0:j1], inv[:, p0:p1, j0:j1])
-            val, e, sym = _chunk_loss(cos[0], cos[1], valid[p0:p1, j0:j1], loss, beta, want)
-            total = val if total is None else (total if total.dtype == torch.float64 else total.double()) + val
-            if want:
-                _chunk_grads(grads, e, sym, cos[0], scale[0], inv[0, p0:p1, j0:j1], (p0, p1, j0, j1),
-                             (side, flat_local) if windowed else None)
+
+@torch.library.custom_op("kdrun::angle_sum", mutates_args=())
+def _angle_op(g: torch.Tensor, c: torch.Tensor, inv: torch.Tensor, valid: torch.Tensor, window: Optional[int],
+              loss: str, beta: float, chunk_elems: int, want: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(total, dL/dg, dL/dc, dL/dinv); the gradients empty when not ``want``."""
+    _, P, n, w = c.shape
+    windowed = w < n
+    if windowed:
+        side = n + 2 * window
+        src = F.pad(g, (window, window, window, window))
+        # H[s, p, j, a, b] = Gpad[s, p, j + a, j + b]: a strided view, nothing gathered or copied.
+        h_all = src.as_strided((2, P, n, w, w), (P * side * side, side * side, side + 1, side, 1))
+        ar = torch.arange(w, device=g.device)
+        flat_local = ar[:, None] * side + ar[None, :]  # (w, w) offsets from the vertex's corner
+    grads = [torch.zeros_like(x) for x in ((src if windowed else g), c, inv)] if want else None
+    total = None  # summed in fp64 over several chunks, no host sync per chunk
+    for p0, p1, j0, j1 in _chunks(P, n, w, chunk_elems):
+        h = h_all[:, p0:p1, j0:j1] if windowed else g[:, p0:p1, None]
+        cos, scale = cosines(h, c[:, p0:p1, j0:j1], inv[:, p0:p1, j0:j1])
+        val, e, sym = _chunk_loss(cos[0], cos[1], valid[p0:p1, j0:j1], loss, beta, want)
+        total = val if total is None else (total if total.dtype == torch.float64 else total.double()) + val
         if want:
-            if windowed:
-                grads[0] = grads[0][..., window:window + n, window:window + n].contiguous()
-            ctx.save_for_backward(*grads)
-            ctx.factor = 2.0 if loss == "mse" else 1.0 / beta if loss == "huber" else 1.0
-        return total.to(g.dtype) if total is not None else g.new_zeros(())
+            _chunk_grads(grads, e, sym, cos[0], scale[0], inv[0, p0:p1, j0:j1], (p0, p1, j0, j1),
+                         (side, flat_local) if windowed else None)
+    total = total.to(g.dtype) if total is not None else g.new_zeros(())
+    if not want:
+        return total, *(x.new_empty(0) for x in (g, c, inv))
+    if windowed:
+        grads[0] = grads[0][..., window:window + n, window:window + n].contiguous()
+    factor = 2.0 if loss == "mse" else 1.0 / beta if loss == "huber" else 1.0  # E is dL/dcos up to this
+    return (total, *(d.mul_(factor) if factor != 1.0 else d for d in grads))
 
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        k = grad_out * ctx.factor if ctx.factor != 1.0 else grad_out  # E is dL/dcos up to this factor
-        return tuple(k * d for d in ctx.saved_tensors) + (None,) * 6
+
+@_angle_op.register_fake
+def _angle_shapes(g, c, inv, valid, window, loss, beta, chunk_elems, want):
+    return (g.new_empty(()), *((x.new_empty(x.shape) if want else x.new_empty(0)) for x in (g, c, inv)))
+
+
+def _angle_save(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*output[1:])
+
+
+def _angle_backward(ctx, grad_total, *_):
+    return (*(grad_total * d for d in ctx.saved_tensors), None, None, None, None, None, None)
+
+
+_angle_op.register_autograd(_angle_backward, setup_context=_angle_save)
 
 
 def _chunk_grads(grads, e, sym: bool, cos_s, scale, ich, block, windowed) -> None:

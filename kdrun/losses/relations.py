@@ -55,7 +55,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from kdrun.losses.angle_kernel import CHUNK_ELEMS, MASKED_LOGIT, AngleLoss, cosines
+from kdrun.losses.angle_kernel import CHUNK_ELEMS, MASKED_LOGIT, angle_sum, cosines
 from kdrun.models.features import no_autocast
 from kdrun.runtime.precision import exact_fp32_matmul
 
@@ -368,7 +368,7 @@ def angle_loss(
         want = torch.is_grad_enabled() and gs.requires_grad
         flat = [t.reshape(2, -1, n, t.shape[-1]) for t in (g, c, inv)]
         stacked = valid.expand(*c.shape[1:-3], *valid.shape).reshape(-1, n, w)
-        total = AngleLoss.apply(*flat, stacked, window if w < n else None, loss, float(huber_beta),
+        total = angle_sum(*flat, stacked, window if w < n else None, loss, float(huber_beta),
                                 int(chunk_elems or CHUNK_ELEMS.get(xs.device.type, CHUNK_ELEMS["cuda"])), want)
         return total / count.clamp_min(1).to(dt)
 
@@ -381,7 +381,7 @@ def all_triples_sum(gs: torch.Tensor, gt: torch.Tensor, loss: str = "mse", huber
     valid = (ar[:, None] != ar[None, :]).expand(P, n, n)  # every ordered pair of other points
     c, inv = angle_geometry(g, valid, (None, n))
     chunk = int(CHUNK_ELEMS.get(gs.device.type, CHUNK_ELEMS["cuda"]))
-    return AngleLoss.apply(g, c, inv, valid, None, loss, float(huber_beta), chunk,
+    return angle_sum(g, c, inv, valid, None, loss, float(huber_beta), chunk,
                            torch.is_grad_enabled() and gs.requires_grad)
 
 
