@@ -244,3 +244,19 @@ def test_the_angle_kernel_compiles_with_its_gradients(window) -> None:
         out.append((float(value), xs.grad))
     assert out[1][0] == pytest.approx(out[0][0], rel=1e-6) and float(out[0][1].norm()) > 0
     torch.testing.assert_close(out[1][1], out[0][1], rtol=1e-5, atol=1e-8)
+
+
+def test_the_recompile_limit_is_raised_under_its_old_name_too(monkeypatch) -> None:
+    """Before torch 2.7 dynamo's limit is ``cache_size_limit``: raised there when ``recompile_limit``
+    is absent (else every width past the 8th would run eagerly)."""
+    import sys
+    from types import SimpleNamespace
+
+    from kdrun.engine.compiled import _allow_recompiles
+
+    old = SimpleNamespace(cache_size_limit=8, accumulated_cache_size_limit=64)
+    monkeypatch.setattr(torch._dynamo, "config", old)
+    monkeypatch.setitem(sys.modules, "torch._dynamo.config", old)
+    _allow_recompiles(16)
+    assert old.cache_size_limit == 18 and old.accumulated_cache_size_limit == 64
+    assert not hasattr(old, "recompile_limit")

@@ -101,3 +101,13 @@ def test_a_run_under_graph_replay_semantics_equals_the_eager_run(name: str, accu
     wa, wb = (load_file(str(tmp_path / d / "student" / "model.safetensors")) for d in ("eager", "replayed"))
     diff = {k: float((wa[k] - wb[k]).abs().max()) for k in wa}
     assert max(diff.values()) < 1e-6, sorted(diff.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_compile_notice_says_when_a_stage_compiles_and_each_graph_done(run_cfg, tmp_path: Path, capsys) -> None:
+    res = _run(run_cfg, tmp_path, "logit", "c", "train.compile=true", "train.compile_backend=eager")
+    out = capsys.readouterr().out
+    assert out.count("[kdrun] train.compile: stage 'logit_kd' is compiling its step (compiled; once per batch "
+                     "width) ...") == 1, out[-3000:]
+    done = [line for line in out.splitlines() if "compiled its step for 8x" in line]
+    assert len(done) == res["stages"][0]["compilations"] >= 2 and done[-1].endswith(
+        f"({res['stages'][0]['compilations']} graph(s) so far)")

@@ -229,15 +229,17 @@ def compare(got: tuple[float, Any], ref: tuple[float, Any]) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def tf32(device: str):
-    import torch
+    """TF32 matmuls on CUDA inside the block (restored after), through kdrun's helpers: torch's
+    fp32_precision API where present (reading the legacy allow_tf32 after it raises)."""
+    from kdrun.runtime.precision import set_tf32_matmul, tf32_matmul
 
-    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    before = tf32_matmul()
     if device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        set_tf32_matmul(True)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+        set_tf32_matmul(before)
 
 
 def write_reference(path: Path, objective: str, fast: bool) -> None:

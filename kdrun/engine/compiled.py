@@ -19,6 +19,7 @@ measures per-term gradients run the same region eagerly. Objectives whose loss d
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -157,6 +158,8 @@ class StepForward:
         self.compilations = self.graph_breaks = 0
         self._compiled = None
         self._static: dict[Any, Any] = {}
+        main = getattr(getattr(parts, "accelerator", None), "is_main_process", True)
+        self._say = _write if main else None
         if mode in ("compiled", "graphed"):
             # A fresh start: every region shares one code object, and dynamo would otherwise check an
             # earlier stage's graphs (guarded on other models and terms) before each call of this one.
@@ -191,8 +194,13 @@ class StepForward:
         before = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
         if self.mode == "graphed":
             torch.compiler.cudagraph_mark_step_begin()
+        if not self.compilations and self._say is not None:
+            self._say(f"[kdrun] train.compile: stage '{self.plan.name}' is compiling its step ({self.mode}; once per "
+                      "batch width) ...")
+        started = time.perf_counter()
         with self._exact_fp32():
             loss, vec, keys = self._compiled(batch, teacher)
+        self._announce(counters["stats"]["unique_graphs"] - before[0], batch, time.perf_counter() - started)
         if teacher is None and self.plan.uses_teacher:  # the live teacher's pass, traced uncounted
             count_forward(self.parts.teacher, int(batch["attention_mask"].shape[0]))
         self.compilations += counters["stats"]["unique_graphs"] - before[0]
@@ -200,6 +208,15 @@ class StepForward:
         if self.mode == "graphed":  # copied out of the graph's memory before the next replay
             vec = vec.clone()
         return loss, dict(zip(keys, vec.unbind()))
+
+    def _announce(self, new: int, batch: dict[str, Any], seconds: float) -> None:
+        """One line when the step compiles a graph (the first step's bar would otherwise sit at one
+        step for a minute with no word): its shape, the seconds, the stage's count so far."""
+        if new <= 0 or self._say is None:
+            return
+        shape = "x".join(map(str, batch["attention_mask"].shape))
+        self._say(f"[kdrun] train.compile: stage '{self.plan.name}' compiled its step for {shape} batches in "
+                  f"{seconds:.1f} s ({self.compilations + new} graph(s) so far)")
 
     def _replay(self, batch: dict[str, Any], teacher: Features | None):
         """CUDA-graph replay semantics, eagerly: static inputs per shape, static outputs overwritten."""
@@ -222,6 +239,13 @@ class StepForward:
         return exact_fp32_matmul(self.parts.accelerator.device.type)
 
 
+def _write(text: str) -> None:
+    """A line above the stage's progress bar (not inside it)."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(text)
+
+
 class _IntoStatic(torch.autograd.Function):
     """``x`` written into the static tensor ``out`` (a graph's output memory) and returned as it, with
     ``x``'s gradient: a tensor kept from an earlier call changes at the next one, as under replay."""
@@ -239,11 +263,13 @@ class _IntoStatic(torch.autograd.Function):
 
 def _allow_recompiles(widths: int) -> None:
     """Let dynamo keep a graph per batch width (its default limit is 8 graphs per function; 512
-    tokens in multiples of 32 are 16 widths, and a collator that rounds nothing gives more)."""
+    tokens in multiples of 32 are 16 widths, and a collator that rounds nothing gives more). The
+    limit is ``recompile_limit`` from torch 2.7 on, ``cache_size_limit`` before."""
     import torch._dynamo.config as dc
 
     need = widths + 2
-    if getattr(dc, "recompile_limit", need) < need:
-        dc.recompile_limit = need
-    if getattr(dc, "accumulated_recompile_limit", need) < need:
-        dc.accumulated_recompile_limit = need
+    for names in (("recompile_limit", "cache_size_limit"),
+                  ("accumulated_recompile_limit", "accumulated_cache_size_limit")):
+        name = next((n for n in names if hasattr(dc, n)), None)
+        if name is not None and getattr(dc, name) < need:
+            setattr(dc, name, need)
