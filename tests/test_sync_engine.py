@@ -234,3 +234,21 @@ def test_ddp_num_workers_auto_shares_the_node_cores_among_its_processes(monkeypa
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
     assert P.resolve_num_workers("auto", "cuda") == 0  # one core each: collate in the training process
     assert P.resolve_num_workers("auto", "cpu") == 0 and P.resolve_num_workers(3, "cuda") == 3
+
+
+@pytest.mark.parametrize("objective", ["ckd", "mgskd", "tinybert"])
+def test_no_host_sync_inside_a_step_under_graph_replay_semantics(objective: str, tmp_path: Path, run_cfg,
+                                                                 monkeypatch, library_mask_check_allowed) -> None:
+    """The step as the compiled and graphed modes run it outside their region (outputs copied out of
+    the graph's static tensors, meters and the non-finite watch summed in place), under CUDA-graph
+    replay semantics, reads nothing on the host. Inside a compiled region a host read cannot hide:
+    dynamo breaks the graph at ``item``, ``nonzero`` and data-dependent shapes, and every objective's
+    run records zero graph breaks (tests/test_compile_runs.py). (The counter's dispatch mode itself
+    makes dynamo run a region eagerly, so it cannot watch a compiled call.)"""
+    import kdrun.engine.compiled as compiled
+
+    monkeypatch.setattr(compiled, "step_mode", lambda *a, **k: "replayed")
+    cfg = run_cfg(*objective_args(objective, tmp_path), "logger.log_every_steps=4", "train.pad_to_multiple_of=16")
+    session, parts = session_parts(cfg, tmp_path / "run")
+    counter = _stage_steps_under_counter(parts, session.pre.plans, steps=6)
+    assert counter.count == 0, counter

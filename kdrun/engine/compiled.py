@@ -215,6 +215,8 @@ class StepForward:
         if new <= 0 or self._say is None:
             return
         shape = "x".join(map(str, batch["attention_mask"].shape))
+        if torch.is_tensor(batch.get("spans")):
+            shape += f" ({batch['spans'].shape[1]} span slots)"
         self._say(f"[kdrun] train.compile: stage '{self.plan.name}' compiled its step for {shape} batches in "
                   f"{seconds:.1f} s ({self.compilations + new} graph(s) so far)")
 
