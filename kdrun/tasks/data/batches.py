@@ -320,7 +320,7 @@ class Collator:
 
 # Span counts are rounded up to a multiple of this under train.pad_to_multiple_of (a compiled step
 # compiles once per (width, span count) shape; the -1 spans are masked out by every span term).
-SPAN_MULTIPLE = 8
+SPAN_MULTIPLE = 16
 
 
 def pad_spans(spans: Sequence[Any], multiple: int = 0) -> torch.Tensor:
