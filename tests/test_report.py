@@ -269,3 +269,39 @@ def test_objectives_figure(paired: Path, tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main([str(paired), "--figure", str(tmp_path / "objectives.txt")])
     assert e.value.code == 2
+
+
+# ------------------------------------------------------------------------------------ any mix of runs
+
+def _set_config(run_dir: Path, **sections) -> None:
+    """Merge config sections into a written results.json (e.g. a key null in some runs)."""
+    res = json.loads((run_dir / "results.json").read_text())
+    for name, values in sections.items():
+        res["config"].setdefault(name, {}).update(values)
+    (run_dir / "results.json").write_text(json.dumps(res))
+
+
+def test_report_over_null_keys_failed_runs_and_other_objectives(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "mixed"
+    # task.max_train_samples=null,64 and train.batch_size=16,null: a key null in some runs, two keys swept
+    for i, (rows, batch, seed, v) in enumerate([(None, 16, 1, 0.60), (64, 16, 1, 0.55), (None, None, 1, 0.62),
+                                                (64, None, 1, 0.50), (None, 16, 2, 0.64), (64, None, 2, 0.52)]):
+        d = write_run(root, f"ckd-{i}", "rte", "ckd", seed, v)
+        _set_config(d, task={"max_train_samples": rows}, train={"batch_size": batch})
+    d = write_run(root, "logit-0", "rte", "logit", 1, 0.58)  # another objective, with keys the others lack
+    _set_config(d, objective={"alpha": 0.9, "temperature": 2.0})
+    failed = root / "ckd-failed"  # a run started without Hydra's launcher that failed: error.json only
+    failed.mkdir()
+    (failed / "error.json").write_text(json.dumps({"type": "RuntimeError", "message": "out of memory",
+                                                   "phase": "stage"}))
+    out = tmp_path / "report"
+    main([str(root), "--out", str(out)])
+    text = capsys.readouterr().out
+    table = (out / "table.md").read_text()
+    assert "| bert_L4_H312 | ckd | 62.00 ± 2.83 | 62.00 |" in table  # null rows, batch 16: (0.60 + 0.64) / 2
+    assert "| bert_L4_H312 | logit | 58.00 | 58.00 |" in table
+    assert "task.max_train_samples=null, train.batch_size=16" in text
+    jobs = text.split("Jobs without results:")[1]
+    assert "[failed]" in jobs and "ckd-failed: RuntimeError: out of memory" in jobs
+    assert {"sweep_rte-bert_L4_H312-ckd.png", "heatmap_rte-bert_L4_H312-ckd.png", "objectives.png",
+            "seed_spread.png", "curves_rte.png"} <= {p.name for p in out.iterdir()}

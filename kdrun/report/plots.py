@@ -42,6 +42,23 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def value_order(v: Any) -> tuple:
+    """Sort key of a swept key's values when some runs have it unset (null) or of another type:
+    numbers by value, then other values by their text, then null."""
+    if _is_number(v):
+        return (0, float(v), "")
+    return (2, 0.0, "") if v is None else (1, 0.0, json.dumps(v, default=str))
+
+
+def value_label(v: Any) -> str:
+    """A swept value as an axis label: ``null`` for a key unset in that run (e.g. all rows kept)."""
+    return "null" if v is None else str(v)
+
+
 def plot_sweeps(runs: list[RunRecord], out: Path) -> list[Path]:
     """Metric vs each swept hyperparameter per (task, row): a line (best over the other swept keys,
     mean ± std over seeds) per key, and a heatmap when exactly two keys were swept."""
@@ -68,14 +85,14 @@ def plot_sweeps(runs: list[RunRecord], out: Path) -> list[Path]:
                 v = json.loads(s)[k]
                 if v not in best or means[s] > means[best[v]]:
                     best[v] = s
-            xs = sorted(best, key=lambda v: (isinstance(v, str), v if not isinstance(v, str) else 0, str(v)))
-            numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in xs)
+            xs = sorted(best, key=value_order)
+            numeric = all(_is_number(v) for v in xs)
             pos = xs if numeric else list(range(len(xs)))
             ax.errorbar(pos, [means[best[v]] for v in xs], yerr=[stds[best[v]] for v in xs], marker="o", capsize=3)
             if numeric and len(xs) > 2 and min(xs) > 0 and max(xs) / min(xs) >= 100:
                 ax.set_xscale("log")
             if not numeric:
-                ax.set_xticks(pos, [str(v) for v in xs], rotation=30)
+                ax.set_xticks(pos, [value_label(v) for v in xs], rotation=30)
             ax.set_xlabel(k)
             ax.set_ylabel(f"dev {metric} (best over other keys)")
             ax.grid(alpha=0.3)
@@ -83,16 +100,16 @@ def plot_sweeps(runs: list[RunRecord], out: Path) -> list[Path]:
         written.append(_save(fig, out / f"sweep_{label}.png"))
         if len(keys) == 2:
             k1, k2 = keys
-            v1 = sorted({json.loads(s)[k1] for s in settings}, key=str)
-            v2 = sorted({json.loads(s)[k2] for s in settings}, key=str)
+            v1 = sorted({json.loads(s)[k1] for s in settings}, key=value_order)
+            v2 = sorted({json.loads(s)[k2] for s in settings}, key=value_order)
             grid = [[math.nan] * len(v2) for _ in v1]
             for s, m in means.items():
                 d = json.loads(s)
                 grid[v1.index(d[k1])][v2.index(d[k2])] = m
             fig, ax = plt.subplots(figsize=(1.2 * len(v2) + 2.5, 0.8 * len(v1) + 2))
             im = ax.imshow(grid, cmap="viridis", aspect="auto")
-            ax.set_xticks(range(len(v2)), [str(v) for v in v2])
-            ax.set_yticks(range(len(v1)), [str(v) for v in v1])
+            ax.set_xticks(range(len(v2)), [value_label(v) for v in v2])
+            ax.set_yticks(range(len(v1)), [value_label(v) for v in v1])
             ax.set_xlabel(k2)
             ax.set_ylabel(k1)
             for i in range(len(v1)):

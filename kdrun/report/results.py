@@ -169,14 +169,20 @@ def collect(paths: list[Path], row_keys: Iterable[str] = ()) -> tuple[list[RunRe
                 runs.extend(load_runs(r, row_keys))
             except (KeyError, StopIteration, json.JSONDecodeError, TypeError, ValueError) as e:
                 problems.append(Problem(r.parent, "failed", f"unreadable results.json ({type(e).__name__}: {e})"))
-        if root.is_dir():  # Hydra job directories (.hydra/) that have no results.json
-            for hydra_dir in sorted(root.rglob(".hydra")):
-                job = hydra_dir.parent
-                if job.resolve() not in seen and not (job / "results.json").exists() and not moved_aside(job):
-                    seen.add(job.resolve())
-                    problems.append(_problem(job))
+        if root.is_dir():
+            for job in _jobs_without_results(root, seen):
+                seen.add(job.resolve())
+                problems.append(_problem(job))
     runs, duplicates = drop_duplicates(runs)
     return runs, problems + duplicates
+
+
+def _jobs_without_results(root: Path, seen: set[Path]) -> list[Path]:
+    """Hydra job directories (``.hydra/``) and run directories with an ``error.json`` (a run started
+    without Hydra's launcher that failed) under ``root`` that have no results.json."""
+    marked = {m.parent for name in (".hydra", "error.json") for m in root.rglob(name)}
+    return [job for job in sorted(marked) if job.resolve() not in seen and "checkpoints" not in job.parts
+            and not (job / "results.json").exists() and not moved_aside(job)]
 
 
 def _identity(r: RunRecord) -> str:
@@ -254,4 +260,4 @@ def _task_order(tasks: Iterable[str]) -> list[str]:
 
 
 def _setting_text(setting: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in setting.items()) or "(single setting)"
+    return ", ".join(f"{k}={'null' if v is None else v}" for k, v in setting.items()) or "(single setting)"
