@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from kdrun.config import register_configs
 from kdrun.errors import UserError
+from kdrun.runtime.pipes import quiet_on_closed_pipe
 
 register_configs()
 
@@ -117,8 +118,8 @@ def _exit_for(error: Exception, full_traceback: bool) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    if isinstance(error, BrokenPipeError):  # the reader went away (kdrun ... | head) before kdrun printed all
-        _end_quietly(0)
+    if isinstance(error, BrokenPipeError):  # the reader went away (kdrun ... | head): main ends quietly
+        raise error
     before_task = not _STATUS["started"]  # Hydra's own work: composing the config, the run directory
     user = _STATUS["user_error"] or (before_task and isinstance(error, (OSError, HydraException,
                                                                         OmegaConfBaseException)))
@@ -175,38 +176,9 @@ def _run_identity(resolved: dict) -> str:
     return run_config_hash(resolved)
 
 
-def _end_quietly(status: int | str | None) -> None:
-    """End without a traceback when stdout is gone: a closed pipe ends with the status of a process
-    that SIGPIPE ended (141, as the shell reports ``yes | head -1``); another output error (a full
-    disk under ``kdrun ... > file``) with one line on stderr and status 1, unless the run already
-    failed with its own status. Returns when stdout works."""
-    from kdrun.runtime.logs import CONSOLE_LOST
-
-    lost = CONSOLE_LOST[0] if CONSOLE_LOST else None
-    try:
-        sys.stdout.flush()
-    except OSError as e:
-        lost = lost or e
-    if lost is None:
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit finds a working stdout
-    failed = status not in (0, None)
-    if isinstance(lost, BrokenPipeError):
-        sys.exit(status if isinstance(status, int) and failed else 141)
-    if not failed:
-        print(f"kdrun: error: the output could not be written ({lost.strerror}); the run itself is complete",
-              file=sys.stderr)
-    sys.exit(status if isinstance(status, int) and failed else 1)
-
-
+@quiet_on_closed_pipe  # a closed pipe (kdrun ... | head) ends it quietly, with status 141
 def main() -> None:
-    try:
-        _main_with_exit()
-    except SystemExit as e:
-        _end_quietly(e.code)
-        raise
-    _end_quietly(0)
+    _main_with_exit()
 
 
 def _main_with_exit() -> None:
