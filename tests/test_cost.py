@@ -167,3 +167,91 @@ def test_ratios_below_one_are_said_the_other_way_round() -> None:
     assert times(1.0, "faster", "slower") == "1.0× faster"
     assert times(0.7, "smaller", "larger") == "1.4× larger"
     assert times(0.5, "faster", "slower") == "2.0× slower"
+
+
+# ------------------------------------------------------------------------------- a busy machine
+
+def _two_models():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    teacher = BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=4,
+                                                       num_attention_heads=2, intermediate_size=64)).eval()
+    rows = [{"input_ids": [2] * n, "attention_mask": [1] * n} for n in (6, 8, 10)]
+    return teacher, tiny_bert(), rows
+
+
+def _assert_speed_not_published(cost: dict, tmp_path: Path) -> None:
+    """The cost says why its speed is unreliable, and neither the printed lines, the card nor the report
+    give a speed ratio as a fact."""
+    from kdrun.report.card import _cost_rows
+    from kdrun.report.cli import report
+    from tests.test_report import write_run
+
+    lines = "\n".join(C.cost_lines(cost))
+    assert "speed ratios unreliable" in lines and "(latency" not in lines and "the throughput" not in lines
+    card = "\n".join(_cost_rows(cost))
+    assert "unreliable" in card and "faster" not in card and "slower" not in card and "its throughput" not in card
+    d = write_run(tmp_path / "runs", "a", "rte", "ckd", 1, 0.6)
+    res = json.loads((d / "results.json").read_text())
+    (d / "results.json").write_text(json.dumps({**res, "cost": cost}))
+    rep = report([tmp_path / "runs"], tmp_path / "out")
+    assert rep["rows"][0][-2:] == [f"{cost['ratios']['smaller']:.1f}×", "unreliable"]
+    assert not (tmp_path / "out" / "pareto.png").exists()
+
+
+def test_cost_on_a_busy_machine_is_flagged(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    teacher, student, rows = _two_models()
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.3)  # the spinners are running
+        cost = C.run_cost(student, teacher, rows, batch_size=2, pad_token_id=0, device="cpu", budget_s=0.3)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert cost["machine"]["others_cores"] > 0.5, cost["machine"]  # the spinners' share of the cores
+    assert "busy machine" in cost["unreliable"]
+    _assert_speed_not_published(cost, tmp_path)
+
+
+def test_cost_with_a_huge_spread_is_flagged(tmp_path: Path, monkeypatch) -> None:
+    """Timings alternating 1 ms and 100 ms: the interquartile range is far over the median."""
+    ticks = {"t": 0.0, "calls": 0}
+
+    def clock() -> float:
+        ticks["calls"] += 1
+        if ticks["calls"] % 2 == 0:  # the end of a timed call
+            ticks["t"] += 0.001 if (ticks["calls"] // 2) % 2 else 0.1
+        return ticks["t"]
+
+    monkeypatch.setattr(C, "_clock", clock)
+    monkeypatch.setattr(C, "busy_reason", lambda machine: None)  # only the spread speaks here
+    teacher, student, rows = _two_models()
+    cost = C.run_cost(student, teacher, rows, batch_size=2, pad_token_id=0, device="cpu", budget_s=0.5)
+    lo, hi = cost["student"]["latency_iqr_ms"]
+    assert (hi - lo) / cost["student"]["latency_ms"] > C.UNRELIABLE_SPREAD
+    assert "timings spread by" in cost["unreliable"]
+    _assert_speed_not_published(cost, tmp_path)
+
+
+def test_settled_timings_stop_early_and_give_their_quartiles(monkeypatch) -> None:
+    ticks = {"t": 0.0, "calls": 0}
+
+    def clock() -> float:  # every call takes 2 ms exactly
+        ticks["calls"] += 1
+        ticks["t"] += 0.002 if ticks["calls"] % 2 == 0 else 0.0
+        return ticks["t"]
+
+    monkeypatch.setattr(C, "_clock", clock)
+    t = C.time_calls(lambda: None, repeats=50, warmup=0, budget_s=10.0)
+    assert t.n == C.SETTLE_REPEATS and t.median == pytest.approx(0.002) and t.spread == pytest.approx(0.0)
+    assert C.quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == C.Timing(3.0, 2.0, 4.0, 5)
+    machine = {"cores": 2, "threads": 1, "own_cores": 0.6, "others_cores": 1.4, "load_avg_1min": 3.0}
+    assert "1.4 of 2 cores" in C.busy_reason(machine)
+    assert C.busy_reason({**machine, "others_cores": 0.5}) is None  # most of a core idle
+    assert C.busy_reason({**machine, "others_cores": 0.0, "own_cores": 2.0}) is None  # kdrun's own threads only
+    assert "load average 3.0" in C.busy_reason({**machine, "others_cores": None})  # no /proc/stat

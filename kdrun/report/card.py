@@ -200,27 +200,29 @@ def _metric_rows(summary: Mapping[str, Any]) -> list[str]:
 
 
 def _cost_rows(cost: Mapping[str, Any] | None) -> list[str]:
-    from kdrun.report.cost import size_text
+    from kdrun.report.cost import latency_text, size_text, speed_unreliable, throughput_text, times
 
     if not cost or "student" not in cost:
         return []
     rows = [f"Measured by the run on `{cost['device']}` (threads: {cost['threads']}): latency at batch 1 × "
             f"{cost['latency_length']} tokens, throughput at batch {cost['throughput_batch']} × "
-            f"{cost['throughput_length']} tokens of dev rows (medians, warm-up excluded).", "",
-            "| model | parameters | without embeddings | size | latency | throughput |", "|---|---|---|---|---|---|"]
+            f"{cost['throughput_length']} tokens of dev rows (medians and interquartile ranges, warm-up excluded).",
+            "", "| model | parameters | without embeddings | size | latency | throughput |",
+            "|---|---|---|---|---|---|"]
     for who in ("teacher", "student"):
         c = cost.get(who)
         if c:
             rows.append(f"| {who} | {c['total']:,} | {c['without_embeddings']:,} | {size_text(c['size_mb'])} "
-                        f"({c['dtype']}) | {c['latency_ms']:.2f} ms | {c['throughput_rows_s']:,.0f} rows/s |")
-    r = cost.get("ratios")
+                        f"({c['dtype']}) | {latency_text(c)} | {throughput_text(c)} |")
+    r, why = cost.get("ratios"), speed_unreliable(cost)
+    if why:
+        rows += ["", f"Latency and throughput are unreliable: {why}. The student's speed is not compared with "
+                     "the teacher's; measure it again on an idle machine."]
     if r:
-        from kdrun.report.cost import times
-
-        rows += ["", f"The student is {times(r['smaller'], 'smaller', 'larger')} (parameters), "
-                     f"{times(r['smaller_size'], 'smaller', 'larger')} on disk and "
-                     f"{times(r['faster'], 'faster', 'slower')} (latency) than the teacher, with "
-                     f"{r['throughput']:.1f}× its throughput."]
+        speed = "" if why else (f" and {times(r['faster'], 'faster', 'slower')} (latency) than the teacher, with "
+                                f"{r['throughput']:.2f}× its throughput")
+        rows += ["", f"The student is {times(r['smaller'], 'smaller', 'larger')} (parameters) and "
+                     f"{times(r['smaller_size'], 'smaller', 'larger')} on disk" + (speed or " than the teacher") + "."]
     return rows
 
 

@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kdrun.report.cost import speed_unreliable
 from kdrun.report.plots import (
     FIGURE_FORMATS,
     plot_curves,
@@ -152,19 +153,41 @@ def run_cost(run: RunRecord) -> dict[str, Any] | None:
     return cost if isinstance(cost, dict) and "student" in cost else None
 
 
+SPEED_KEYS = ("faster", "throughput")
+
+
+def _trusted(cost: dict[str, Any] | None, key: str) -> bool:
+    """Whether ``cost`` has the ratio ``key`` and, for a speed ratio, was timed on a machine not busy."""
+    return bool(cost) and "ratios" in cost and (key not in SPEED_KEYS or not speed_unreliable(cost))
+
+
 def _median_ratio(runs: list[RunRecord], costs: dict[Path, dict[str, Any] | None], key: str) -> float | None:
-    values = [costs[r.path]["ratios"][key] for r in runs if costs.get(r.path) and "ratios" in costs[r.path]]
+    values = [costs[r.path]["ratios"][key] for r in runs if _trusted(costs.get(r.path), key)]
     return statistics.median(values) if values else None
 
 
+def _ratio_cell(runs: list[RunRecord], costs: dict[Path, dict[str, Any] | None], key: str) -> str:
+    """``2.5×`` (the median over the runs), ``unreliable`` when every timing was on a busy machine, else ``—``."""
+    v = _median_ratio(runs, costs, key)
+    if v is not None:
+        return f"{v:.1f}×" if v >= 0.95 else f"{v:.2g}×"
+    return "unreliable" if any(costs.get(r.path) and "ratios" in costs[r.path] for r in runs) else "—"
+
+
 def cost_cells(cells: dict[tuple, dict[str, Cell]], costs: dict[Path, dict[str, Any] | None]) -> dict[tuple, list[str]]:
-    """Per row: ``× smaller`` and ``× faster``, medians over the runs of the row's chosen cells ("—" without)."""
+    """Per row: ``× smaller`` and ``× faster``, medians over the runs of the row's chosen cells whose
+    figures are trusted (``unreliable`` when timed only on a busy machine, "—" without)."""
     out = {}
     for row, cs in cells.items():
         runs = [r for c in cs.values() for r in c.runs]
-        out[row] = [f"{v:.1f}×" if v is not None else "—"
-                    for v in (_median_ratio(runs, costs, "smaller"), _median_ratio(runs, costs, "faster"))]
+        out[row] = [_ratio_cell(runs, costs, "smaller"), _ratio_cell(runs, costs, "faster")]
     return out
+
+
+def untrusted_speed_lines(runs: list[RunRecord], costs: dict[Path, dict[str, Any] | None]) -> list[str]:
+    """One line per run whose latency and throughput are left out of the table and figures, and why."""
+    return [f"- {r.path}: {speed_unreliable(costs[r.path])}" for r in runs
+            if costs.get(r.path) and speed_unreliable(costs[r.path])]
 
 
 def pareto_points(runs: list[RunRecord], costs: dict[Path, dict[str, Any] | None]) -> list[dict[str, Any]]:
@@ -173,7 +196,7 @@ def pareto_points(runs: list[RunRecord], costs: dict[Path, dict[str, Any] | None
     points = []
     for r in runs:
         c = costs.get(r.path)
-        if not c:
+        if not c or speed_unreliable(c):  # a latency timed on a busy machine is no point on the front
             continue
         teacher_value = None
         if c.get("teacher"):
@@ -203,6 +226,8 @@ def _report_text(t: dict[str, Any], problems: list[Problem], scale: float) -> st
     if t["sig_lines"]:
         parts.append(f"Paired comparisons with {BASELINE_OBJECTIVE} (Δ ×{scale:g}, row minus {BASELINE_OBJECTIVE}):\n"
                      + "\n".join(t["sig_lines"]))
+    if t["untrusted"]:
+        parts.append("Speed left out (latency, throughput, × faster; unreliable):\n" + "\n".join(t["untrusted"]))
     missing = [p for p in problems if p.status != "duplicate"]
     if missing:
         parts.append("Jobs without results:\n" + "\n".join(f"- [{p.status}] {p.path}: {p.detail}" for p in missing))
@@ -241,7 +266,7 @@ def _csv_text(t: dict[str, Any]) -> str:
 
 def _cost_cols(runs: list[RunRecord], costs: dict[Path, dict[str, Any] | None]) -> list[str]:
     """A cell's median ratios and latencies over its runs (empty without cost)."""
-    measured = [costs[r.path] for r in runs if costs.get(r.path)]
+    measured = [costs[r.path] for r in runs if costs.get(r.path) and not speed_unreliable(costs[r.path])]
 
     def med(values: list[float]) -> str:
         return _num(statistics.median(values)) if values else ""
@@ -293,7 +318,7 @@ def build_table(runs: list[RunRecord], row_keys: list[str], scale: float, alpha:
         rows = [[*r, *ratio.get(tuple(r[:len(label_cols)]), ["—", "—"])] for r in rows]
     return {"cells": cells, "swept": swept, "tasks": tasks, "label_cols": label_cols, "metric_of": metric_of,
             "header": [*label_cols, *[f"{t} ({metric_of[t]})" for t in tasks], "avg", *extra], "costs": costs,
-            "rows": rows,
+            "rows": rows, "untrusted": untrusted_speed_lines(runs, costs),
             "comparisons": comparisons, "footnote": significance_footnote(comparisons, alpha), "alpha": alpha,
             "sig_lines": comparison_lines(comparisons, tasks, scale), "chosen": _chosen_lines(cells, tasks),
             "mde_lines": mde_lines(comparisons, cells, tasks, scale, alpha), **const}
@@ -332,6 +357,9 @@ def report(paths: list[Path], out: Path, row_keys: list[str] | None = None, scal
     if n_near:
         print(f"kdrun-report: warning: {n_near} cell(s) within noise of the constant-predictor baseline "
               f"(marked {NEAR_MARK}, listed under the table)", file=sys.stderr)
+    if t["untrusted"]:
+        print(f"kdrun-report: warning: {len(t['untrusted'])} run(s) timed on a busy machine: their speed is left "
+              "out (listed under 'Speed left out')", file=sys.stderr)
     if n_dup:
         print(f"kdrun-report: warning: {n_dup} run(s) repeat the setting and seed of another run and are "
               "counted once (listed under 'Duplicate runs')", file=sys.stderr)
