@@ -183,11 +183,43 @@ def test_card_command_has_no_absolute_paths() -> None:
 
 
 def test_card_lists_the_training_hyperparameters() -> None:
-    summary = _with(train__batch_size=32, train__seed=3, train__gradient_accumulation_steps=2,
-                    train__max_grad_norm=1.0, train__warmup_ratio=0.1, train__scheduler="linear")
+    summary = _with(train__seed=3, train__gradient_accumulation_steps=2, train__max_grad_norm=1.0,
+                    train__scheduler="linear")
+    for stage, (batch, warmup) in zip(summary["config"]["objective"]["stages"], [(32, 0.1), (16, 0.06)]):
+        stage.update(batch_size=batch, warmup_ratio=warmup, weight_decay=0.01)
     text = model_card(summary)
-    assert "**Batch size:** 32 × 2 accumulation steps" in text and "**seed:** 3" in text
-    assert "**precision:** `no`" in text and "0.1 of the steps of warm-up" in text
+    assert "**Stage `intermediate`:** batch size 32 × 2 accumulation steps; learning rate 5e-05; warm-up 0.1" in text
+    assert "**Stage `prediction`:** batch size 16 × 2 accumulation steps; learning rate 5e-05; warm-up 0.06" in text
+    stages = [line for line in _card_section(text, "Training").splitlines() if "**Stage" in line]
+    assert "**seed:** 3" in text and "**precision:** `no`" in text and len(stages) == 2 and "None" not in str(stages)
+
+
+def _card_section(text: str, title: str) -> str:
+    return text.split(f"## {title}\n")[1].split("\n## ")[0]
+
+
+def test_card_training_numbers_are_the_runs_config(run_cfg, tmp_path: Path) -> None:
+    """Every number in the card's Training section is one of the composed config's, per stage."""
+    import re
+
+    from kdrun.app.run import run
+
+    cfg = run_cfg("objective=logit", "student=truncated", "student.num_layers=1", "train.gradient_accumulation_steps=2",
+                  "objective.stages.0.batch_size=16", "objective.stages.0.warmup_ratio=0.2", "train.lr=3e-4",
+                  "task.max_seq_length=40", "report.cost=false")
+    run(cfg, tmp_path / "r")
+    section = _card_section((tmp_path / "r" / "student" / "README.md").read_text(), "Training")
+    stage = cfg.objective.stages[0]
+    expected = {cfg.task.max_seq_length, cfg.seed, cfg.train.max_grad_norm, stage.batch_size,
+                cfg.train.gradient_accumulation_steps, cfg.train.lr, stage.warmup_ratio, stage.weight_decay}
+    numbers = {float(x) for x in re.findall(r"(?<![\w.-])\d+(?:\.\d+)?(?:e-?\d+)?", section)}
+    assert numbers == {float(x) for x in expected} | {1.0}, section  # 1: the process count
+    assert "batch size 16 × 2 accumulation steps; learning rate 0.0003; warm-up 0.2" in section
+    tokenizer = json.loads((tmp_path / "r" / "student" / "tokenizer_config.json").read_text())
+    assert tokenizer["max_length"] == 40 and "local_files_only" not in tokenizer and "is_local" not in tokenizer
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "r" / "student")("a b c")["input_ids"]
 
 
 def test_card_keeps_a_subsampled_dev_score_out_of_the_model_index(tmp_path: Path) -> None:

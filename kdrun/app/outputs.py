@@ -38,7 +38,7 @@ def write_outputs(session: Session, data: RunData, models: Models, parts, state,
             for key, value in session.pre.kind.model_config(session.cfg.task).items():  # e.g. the class names
                 setattr(student.config, key, value)
             student.save_pretrained(tmp)
-            data.tokenizer.save_pretrained(tmp)
+            save_tokenizer(data.tokenizer, tmp, session.cfg.task.max_seq_length)
             from kdrun.report.card import write_card
 
             write_card(tmp, summary)
@@ -54,6 +54,22 @@ def write_outputs(session: Session, data: RunData, models: Models, parts, state,
         if hint:
             print(f"wandb (offline): {hint}")
     return summary
+
+
+# Keys of tokenizer_config.json that describe how this run loaded the tokenizer, not the tokenizer.
+LOCAL_TOKENIZER_KEYS = ("local_files_only", "is_local", "cache_dir", "force_download", "token", "proxies")
+
+
+def save_tokenizer(tokenizer, directory, max_length: int) -> None:
+    """Save the tokenizer beside the student, its tokenizer_config.json without this run's loading
+    state and with the run's ``max_length`` (task.max_seq_length)."""
+    import json
+    from pathlib import Path
+
+    tokenizer.save_pretrained(directory)
+    path = Path(directory) / "tokenizer_config.json"
+    config = {k: v for k, v in json.loads(path.read_text()).items() if k not in LOCAL_TOKENIZER_KEYS}
+    path.write_text(json.dumps({**config, "max_length": max_length}, indent=2, ensure_ascii=False) + "\n")
 
 
 def saved_student(student, dtype: str):

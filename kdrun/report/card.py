@@ -171,17 +171,26 @@ def _public_path(value: str, run_dir: str | None) -> str:
     return f"<path>/{path.name}"
 
 
+def _stage_hyperparameters(stage: Mapping[str, Any], train: Mapping[str, Any], accumulation: int) -> str:
+    """One stage's batch size, accumulation, learning rate, warm-up, weight decay, optimizer and schedule,
+    as the stage ran them (train.lr, train.optimizer and train.scheduler where the stage sets none)."""
+    lr = train.get("lr") if train.get("lr") is not None else stage.get("lr")
+    optimizer = (stage.get("optimizer") or train.get("optimizer") or {}).get("name") or "AdamW"
+    batch = f"{stage.get('batch_size')}" + (f" × {accumulation} accumulation steps" if accumulation > 1 else "")
+    return (f"- **Stage `{stage.get('name')}`:** batch size {batch}; learning rate {lr:g}; warm-up "
+            f"{stage.get('warmup_ratio', 0):g} of the stage's steps; weight decay {stage.get('weight_decay', 0):g}; "
+            f"optimizer {optimizer}, schedule `{stage.get('scheduler') or train.get('scheduler', 'linear')}`")
+
+
 def _training_rows(summary: Mapping[str, Any]) -> list[str]:
     cfg = summary.get("config") or {}
     train, task = cfg.get("train") or {}, cfg.get("task") or {}
     accumulation = train.get("gradient_accumulation_steps") or 1
-    batch = f"{train.get('batch_size')}" + (f" × {accumulation} accumulation steps" if accumulation > 1 else "")
-    return [f"- **Batch size:** {batch}; **max sequence length:** {task.get('max_seq_length')}; "
-            f"**seed:** {train.get('seed', cfg.get('seed'))}; **precision:** `{summary.get('precision')}` "
-            f"({summary.get('processes', 1)} process(es) on `{summary.get('device')}`)",
-            f"- **Optimizer:** {((train.get('optimizer') or {}).get('name')) or 'AdamW'}, schedule "
-            f"`{train.get('scheduler', 'linear')}` after {train.get('warmup_ratio', 0):g} of the steps of warm-up, "
-            f"gradient clipping at {train.get('max_grad_norm')}; epochs and learning rate per stage above"]
+    stages = (cfg.get("objective") or {}).get("stages") or []
+    return [f"- **Max sequence length:** {task.get('max_seq_length')}; **seed:** {train.get('seed', cfg.get('seed'))}; "
+            f"**precision:** `{summary.get('precision')}` ({summary.get('processes', 1)} process(es) on "
+            f"`{summary.get('device')}`); **gradient clipping** at {train.get('max_grad_norm')}",
+            *(_stage_hyperparameters(s, train, accumulation) for s in stages)]
 
 
 def _metric_rows(summary: Mapping[str, Any]) -> list[str]:
