@@ -361,7 +361,7 @@ def report_lines(result: dict[str, Any], run_dir: Path) -> list[str]:
              "excluded)"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     first = next(result[k]["file"] for k in ("onnx", "int8") if isinstance(result.get(k), dict))
-    out = (Path(run_dir) / first).parent
+    out = Path(os.path.abspath(Path(run_dir) / first)).parent  # the folder as an absolute path, never ../../..
     lines.append(f"written: {out} (export.json, the ONNX file(s), tokenizer and config) in {result['seconds']:.1f}s")
     return lines
 

@@ -60,6 +60,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,8 +146,8 @@ def _decide(st: _Stage) -> dict[str, Any]:
         free = free_bytes(tmp)
         if free < size:
             raise _NoRoom(free)
-        st.say(f"[kdrun] teacher store: building {'+'.join(st.kinds)} of {len(lengths)} rows ({int(lengths.sum())} "
-               f"tokens, {settings.dtype}): {_size(size)} in {entry}")
+        st.say(wrapped(f"[kdrun] teacher store: building {'+'.join(st.kinds)} of {len(lengths)} rows "
+                       f"({int(lengths.sum())} tokens, {settings.dtype}): {_size(size)} in {entry}"))
         full = False
         try:
             build_store(tmp, st.parts.teacher, ds, lengths, st.parts.collator, plan.teacher_needs,
@@ -173,14 +174,26 @@ def _decide(st: _Stage) -> dict[str, Any]:
         return {"use": True, "key": key, "why": f"teacher.store=on; from {where}"}
     verdict = _auto_verdict(entry)
     if verdict is not None:  # measured by the entry's first auto run: every later run decides the same
-        return {"key": key, **verdict, "why": f"{verdict['why']} (measured when the entry was first used; "
-                f"its {AUTO_VERDICT} holds the figures)"}
-    out = _measure_auto(st, entry, key, cached, where)
+        why = re.sub(r"; from the (cache|entry just built)$", "", verdict["why"])  # as older entries wrote it
+        return {"key": key, **verdict, "why": f"{why} (measured when the entry was first used; its {AUTO_VERDICT} "
+                f"holds the figures)" + (f"; from {where}" if verdict["use"] else "")}
+    out = _measure_auto(st, entry, key, cached)
     try:  # a read-only shared cache keeps no verdict: each run measures again
         write_json_atomic(entry / AUTO_VERDICT, {k: v for k, v in out.items() if k != "key"})
     except OSError:
         pass
-    return out
+    return {**out, "why": out["why"] + (f"; from {where}" if out["use"] else "")}
+
+
+LINE_WIDTH = 160
+
+
+def wrapped(text: str) -> str:
+    """A printed store line as lines of at most ``LINE_WIDTH`` characters, continued under ``[kdrun]``."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, LINE_WIDTH, subsequent_indent="[kdrun]   ", break_long_words=False,
+                                    break_on_hyphens=False))
 
 
 AUTO_VERDICT = "auto_decision.json"  # beside the entry's files, outside its manifest
@@ -194,7 +207,7 @@ def _auto_verdict(entry: Path) -> dict[str, Any] | None:
         return None
 
 
-def _measure_auto(st: _Stage, entry: Path, key: str, cached: bool, where: str) -> dict[str, Any]:
+def _measure_auto(st: _Stage, entry: Path, key: str, cached: bool) -> dict[str, Any]:
     """``teacher.store=auto``'s measurement: the reader's full path against the teacher's forward."""
     plan, ds, acc = st.plan, st.ds, st.parts.accelerator
     reader = StoreReader(entry)
@@ -210,7 +223,7 @@ def _measure_auto(st: _Stage, entry: Path, key: str, cached: bool, where: str) -
     if read >= forward:
         return {"use": False, "key": key, "why": f"teacher.store=auto: {figures}; running the teacher live "
                 "(teacher.store=on forces the store)", **out}
-    return {"use": True, "key": key, "why": f"teacher.store=auto: {figures}; from {where}", **out}
+    return {"use": True, "key": key, "why": f"teacher.store=auto: {figures}", **out}
 
 
 class _NoRoom(Exception):
@@ -287,8 +300,8 @@ def open_stage_store(parts: Any, plan: Any, ds: Any, strategy: Any = None, state
     decision = (decisions or {}).get(f"{plan.index}:{plan.name}")
     if decision is not None:
         who = "" if acc.is_main_process else f"rank {acc.process_index}: "
-        print(f"[kdrun] {who}teacher store for stage '{plan.name}': the checkpoint's decision "
-              f"({'store ' + decision['key'] if decision['use'] else 'live'}: {decision['why']})", flush=True)
+        print(wrapped(f"[kdrun] {who}teacher store for stage '{plan.name}': the checkpoint's decision "
+                      f"({'store ' + decision['key'] if decision['use'] else 'live'}: {decision['why']})"), flush=True)
         if not decision["use"]:
             return None
         return _open_decided(st, decision["key"])
@@ -297,10 +310,10 @@ def open_stage_store(parts: Any, plan: Any, ds: Any, strategy: Any = None, state
         decisions[f"{plan.index}:{plan.name}"] = decision
     if acc.is_main_process:
         if decision["use"]:
-            say(f"[kdrun] teacher store: stage '{plan.name}' reads the teacher's {'+'.join(st.kinds)} "
-                f"({decision['key']}); the teacher does not run — {decision['why']}")
+            say(wrapped(f"[kdrun] teacher store: stage '{plan.name}' reads the teacher's {'+'.join(st.kinds)} "
+                        f"({decision['key']}); the teacher does not run — {decision['why']}"))
         else:
-            say(f"[kdrun] teacher store not used for stage '{plan.name}': {decision['why']}")
+            say(wrapped(f"[kdrun] teacher store not used for stage '{plan.name}': {decision['why']}"))
     else:
         print(f"[kdrun] rank {acc.process_index}: teacher store for stage '{plan.name}': "
               f"{'store ' + decision['key'] if decision['use'] else 'live'} (rank 0's decision)", flush=True)

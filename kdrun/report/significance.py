@@ -257,6 +257,8 @@ def mde_lines(comparisons: dict[tuple, dict[str, Comparison]], cells: dict[tuple
         floor = min_sign_flip_p(spread.n)
         mde = min_detectable_effect(spread.n, spread.sd, alpha)
         mde_text = "— (needs scipy)" if mde is None else f"{mde * scale:.2f}"
+        if spread.sd == 0:  # every seed scored the same: no noise to detect an effect against
+            mde_text = "undefined (no spread: every seed scored the same)"
         lines.append(f"- {task}: MDE = {mde_text} with n = {spread.n} seeds ({spread.source}: "
                      f"{spread.sd * scale:.2f}); smallest sign-flip p = 2/2^{spread.n} = {floor:.3g}"
                      + (f" ≥ {alpha:g}: the sign-flip test cannot reach {alpha:g} with fewer than "
