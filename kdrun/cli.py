@@ -169,6 +169,19 @@ def stage_strategy_hint(message: str) -> str | None:
             f"(conf/objective/dynabert.yaml does), or stage_strategy={key} on the command line")
 
 
+def _refuse_added_schema_keys(overrides: list[str]) -> None:
+    """Exit with one line for a ``+key=value`` outside the free-form dictionaries: Hydra would add
+    the key and kdrun ignore it (kdrun.app.composition_errors.plus_key)."""
+    if not any(o.startswith("+") for o in overrides):
+        return
+    from kdrun.app.composition_errors import plus_key_error
+
+    line = plus_key_error(overrides)
+    if line:
+        print(f"kdrun: error: {line}", file=sys.stderr)
+        sys.exit(2)
+
+
 def _run_identity(resolved: dict) -> str:
     """A resolved run config's identity (imported when a launcher asks: torch loads with it)."""
     from kdrun.app.context import run_config_hash
@@ -199,6 +212,7 @@ def _main_with_exit() -> None:
             sys.exit(2)
 
         install(_run_identity)  # submitit launchers: skip finished jobs, follow SLURM jobs without accounting
+    _refuse_added_schema_keys(_command_overrides(sys.argv[1:]))
     try:
         _main()
     except Exception as e:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from test_sweeps import env_for
 
 from kdrun.app import composition_errors as ce
@@ -28,7 +29,28 @@ CASES = [
                                "train.precision=bf16"),
     (["train.optimizer.kwargs.betas=[0.9,0.99]"], "train.optimizer.kwargs.betas: not set in train.optimizer.kwargs; "
                                                   "add it with +train.optimizer.kwargs.betas=<value>"),
+    (["task=nosuch"], "task=nosuch: no such option of task; its options are cola, mnli, mrpc, qnli, qqp, rte, squad, "
+                      "sst2, stsb, text_corpus, toy, wikipedia, wnli (kdrun --help lists"),
+    (["train.compile=maybe"], "train.compile='maybe': expected a boolean: true or false\n"),
+    (["optimizer=adam"], "optimizer: no such key in the config; did you mean train.optimizer.name=adam or "
+                         "teacher.finetune.optimizer.name=adam?"),
+    (["logger=wandb_offline"], "logger=wandb_offline: no such option of logger; did you mean logger=wandb "
+                               "logger.mode=offline?"),
 ]
+FREE_FORM = "+ adds keys only under free-form dictionaries such as train.optimizer.kwargs"
+PLUS_CASES = [
+    (["+train.epoch=5", "experiment=quickstart"], f"+train.epoch=5: no such key in train, and {FREE_FORM}; did you "
+                                                  "mean train.epochs=5? (kdrun --cfg job shows every key)\n"),
+    (["+train.epochs=5"], "+train.epochs=5: train.epochs is a key of the config already; set it without the +: "
+                          "train.epochs=5\n"),
+    (["+task.max_train_sample=32"], f"+task.max_train_sample=32: no such key in task, and {FREE_FORM}; did you "
+                                    "mean task.max_train_samples=32 or "),
+    (["+foo=1"], f"+foo=1: no such key in the config, and {FREE_FORM} (kdrun --cfg job shows every key)\n"),
+    (["-m", "+train.epoch=1,2", "seed=1,2"], "+train.epoch=1,2: no such key in train, and + adds keys only under"),
+    (["+task.toy.num_trai=5", "task=sst2"], "+task.toy.num_trai=5: no such key in task.toy, and + adds keys only "),
+]
+FREE_FORM_PLUS = ["+train.optimizer.kwargs.betas=[0.9,0.99]", "+launcher.x=1", "+objective.params.foo=1",
+                  "+hydra.job.env_set.A=1", "++train.epochs=5"]
 
 
 @pytest.mark.parametrize("args,expected", CASES, ids=[" ".join(a) for a, _ in CASES])
@@ -40,6 +62,24 @@ def test_cli_errors_one_line_with_a_suggestion(tmp_path, args: list[str], expect
     assert r.stderr.startswith(f"kdrun: error: {expected}"), r.stderr
     assert "+" not in r.stderr or "kwargs" in expected  # '+key' only where the schema takes a new key
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("args,expected", PLUS_CASES, ids=[" ".join(a) for a, _ in PLUS_CASES])
+def test_cli_errors_plus_on_a_schema_key_is_refused(tmp_path, args: list[str], expected: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "kdrun", *args], cwd=tmp_path, env=env_for(tmp_path),
+                       capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout, r.stderr.count("\n")) == (2, "", 1), r.stderr
+    assert r.stderr.startswith(f"kdrun: error: {expected}"), r.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_cli_errors_plus_under_free_form_dictionaries_adds_the_key(tmp_path) -> None:
+    r = subprocess.run([sys.executable, "-m", "kdrun", *FREE_FORM_PLUS, "--cfg", "job"], cwd=tmp_path,
+                       env=env_for(tmp_path), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    cfg = yaml.safe_load(r.stdout)
+    assert cfg["train"]["optimizer"]["kwargs"]["betas"] == [0.9, 0.99] and cfg["train"]["epochs"] == 5
+    assert cfg["launcher"]["x"] == 1 and cfg["objective"]["params"]["foo"] == 1
 
 
 def test_cli_errors_closest_choices_are_by_the_leaf_name() -> None:
