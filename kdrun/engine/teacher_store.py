@@ -189,11 +189,19 @@ LINE_WIDTH = 160
 
 
 def wrapped(text: str) -> str:
-    """A printed store line as lines of at most ``LINE_WIDTH`` characters, continued under ``[kdrun]``."""
+    """A printed store line as lines of at most ``LINE_WIDTH`` characters, broken after its clauses
+    (``; `` and `` — ``) where it can, continued under ``[kdrun]``."""
     import textwrap
 
-    return "\n".join(textwrap.wrap(text, LINE_WIDTH, subsequent_indent="[kdrun]   ", break_long_words=False,
-                                    break_on_hyphens=False))
+    indent = "[kdrun]   "
+    lines = [""]
+    for clause in re.split(r"(?<=; )|(?<= — )", text):
+        if lines[-1] and len(lines[-1]) + len(clause) > LINE_WIDTH:
+            lines.append(indent)
+        lines[-1] += clause
+    out = [piece for line in lines for piece in textwrap.wrap(line.rstrip(), LINE_WIDTH, subsequent_indent=indent,
+                                                            break_long_words=False, break_on_hyphens=False)]
+    return "\n".join(out)
 
 
 AUTO_VERDICT = "auto_decision.json"  # beside the entry's files, outside its manifest
