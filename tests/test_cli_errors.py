@@ -11,6 +11,7 @@ import yaml
 from test_sweeps import env_for
 
 from kdrun.app import composition_errors as ce
+from tests.conftest import TINY, TOY
 
 CASES = [
     (["objective=logits"], "objective=logits: no such option of objective; did you mean objective=logit? "
@@ -80,6 +81,21 @@ def test_cli_errors_plus_under_free_form_dictionaries_adds_the_key(tmp_path) -> 
     cfg = yaml.safe_load(r.stdout)
     assert cfg["train"]["optimizer"]["kwargs"]["betas"] == [0.9, 0.99] and cfg["train"]["epochs"] == 5
     assert cfg["launcher"]["x"] == 1 and cfg["objective"]["params"]["foo"] == 1
+
+
+PREFLIGHT_CASES = [
+    (["train.pad_to_multiple_of=1000", "task.max_seq_length=48"],
+     "train.pad_to_multiple_of=1000 is above task.max_seq_length=48, the widest a batch can be; choose a multiple "
+     "of at most 48, or 0 (each batch padded to its longest row)"),
+]
+
+
+@pytest.mark.parametrize("args,expected", PREFLIGHT_CASES, ids=[" ".join(a) for a, _ in PREFLIGHT_CASES])
+def test_cli_errors_preflight_one_line_before_any_model_loads(tmp_path, args: list[str], expected: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "kdrun", *TINY, *TOY, *args, "hydra.run.dir=D"], cwd=tmp_path,
+                       env=env_for(tmp_path), capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stderr) == (2, f"kdrun: error: {expected}\n")
+    assert not (tmp_path / "cache").exists()  # no teacher fine-tuned
 
 
 def test_cli_errors_closest_choices_are_by_the_leaf_name() -> None:

@@ -51,7 +51,11 @@ def preflight(cfg: DictConfig) -> RunPlan:
     from kdrun.tasks.data.batches import resolve_num_workers, resolve_pad_multiple
 
     resolve_num_workers(cfg.train.num_workers, "cpu")  # names train.num_workers when it is neither auto nor >= 0
-    resolve_pad_multiple(cfg.train.pad_to_multiple_of, cfg.train.compile)  # train.pad_to_multiple_of
+    multiple = resolve_pad_multiple(cfg.train.pad_to_multiple_of, cfg.train.compile)  # train.pad_to_multiple_of
+    if cfg.train.pad_to_multiple_of != "auto" and multiple > cfg.task.max_seq_length:
+        raise ConfigError(f"train.pad_to_multiple_of={multiple} is above task.max_seq_length="
+                          f"{cfg.task.max_seq_length}, the widest a batch can be; choose a multiple of at most "
+                          f"{cfg.task.max_seq_length}, or 0 (each batch padded to its longest row)")
     _check_step_mode(cfg.train)
     # The closed sets of choices (train.device, train.precision, objective.balance, teacher.dtype,
     # student.dtype, teacher.store, teacher.store_dtype, teacher.kind, student.kind, mapping.buckets,
