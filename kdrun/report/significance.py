@@ -1,9 +1,12 @@
 """Paired significance of a table cell against the same student's finetune cell, over seeds: an exact
 two-sided sign-flip permutation test (Fisher 1935; Pitman 1937) and a paired t-test (Student 1908);
-and the minimal detectable effect of such a design (paired t-test power)."""
+the minimal detectable effect of such a design (paired t-test power, and simulated for the rule that
+needs both tests); equivalence by two one-sided t-tests (Schuirmann 1987); and Benjamini–Hochberg
+(1995) q-values over many comparisons."""
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections import defaultdict
@@ -271,3 +274,106 @@ def cell_mde(comparison: Comparison | None, alpha: float) -> float | None:
     if comparison is None or comparison.n < 2:
         return None
     return min_detectable_effect(comparison.n, statistics.stdev(comparison.diffs), alpha)
+
+
+# ------------------------------------------------------- the rule a verdict applies: both tests
+
+JOINT_DRAWS = 100_000
+JOINT_SEED = 0
+
+
+def _t_two_sided_p(d):
+    """Per row of ``d`` (draws × n): the two-sided one-sample t-test p-value of mean 0."""
+    from scipy import stats
+
+    n = d.shape[1]
+    t = d.mean(axis=1) / (d.std(axis=1, ddof=1) / math.sqrt(n))
+    return 2 * stats.t.sf(abs(t), n - 1)
+
+
+def _sign_flip_rows_p(d):
+    """Per row of ``d`` (draws × n): the exact two-sided sign-flip p (as ``sign_flip_p``)."""
+    import numpy as np
+
+    n = d.shape[1]
+    flips = 1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)
+    observed = np.abs(d.sum(axis=1))[:, None]
+    tol = 1e-9 * np.abs(d).max(axis=1)[:, None] * n
+    return np.count_nonzero(np.abs(d @ flips.T) >= observed - tol, axis=1) / 2**n
+
+
+def joint_power(effect: float, z, alpha: float = 0.05) -> float:
+    """The share of draws ``z`` (standard normal, draws × n) shifted by ``effect`` (in sd units) in
+    which both tests reach ``alpha`` with a positive mean: the rule behind "reproduced"."""
+    d = z + effect
+    hits = (_t_two_sided_p(d) < alpha) & (_sign_flip_rows_p(d) < alpha) & (d.mean(axis=1) > 0)
+    return float(hits.mean())
+
+
+@functools.cache
+def joint_mde_unit(n: int, alpha: float = 0.05, power: float = POWER, draws: int = JOINT_DRAWS,
+                   seed: int = JOINT_SEED) -> float:
+    """``joint_mde`` for sd = 1 (the MDE scales with sd). The same normal draws serve every effect
+    tried, so the simulated power only grows with the effect and bisection finds where it reaches
+    ``power``; infinite where the sign-flip test cannot reach ``alpha`` with n pairs."""
+    import numpy as np
+
+    if min_sign_flip_p(n) >= alpha:
+        return math.inf
+    z = np.random.default_rng(seed).standard_normal((draws, n))
+    lo, hi = 0.0, 1.0
+    while joint_power(hi, z, alpha) < power:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1e-4:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if joint_power(mid, z, alpha) < power else (lo, mid)
+    return hi
+
+
+def joint_mde(n: int, sd: float, alpha: float = 0.05, power: float = POWER, draws: int = JOINT_DRAWS,
+              seed: int = JOINT_SEED) -> float | None:
+    """The smallest true mean difference that the exact sign-flip test and the paired t-test both
+    detect at level ``alpha``, in its direction, with probability ``power``: simulated with ``draws``
+    normal paired differences of standard deviation ``sd`` (seed ``seed``), bisected on the effect.
+    None with fewer than 2 pairs or more than EXACT_MAX_PAIRS (the sign-flip test is enumerated)."""
+    if n < 2 or n > EXACT_MAX_PAIRS:
+        return None
+    return joint_mde_unit(n, alpha, power, draws, seed) * sd
+
+
+def tost_p(diffs: list[float], margin: float) -> float | None:
+    """Two one-sided paired t-tests (Schuirmann 1987) of "the mean difference lies within ±margin":
+    the larger of the p-values of H0: mean ≤ −margin and H0: mean ≥ +margin; equivalence is shown at
+    level α when it is below α. None with fewer than 2 differences or no spread."""
+    from scipy import stats
+
+    n = len(diffs)
+    if n < 2 or statistics.stdev(diffs) == 0:
+        return None
+    se = statistics.stdev(diffs) / math.sqrt(n)
+    mean = statistics.fmean(diffs)
+    p_lower = stats.t.sf((mean + margin) / se, n - 1)  # against mean ≤ −margin
+    p_upper = stats.t.cdf((mean - margin) / se, n - 1)  # against mean ≥ +margin
+    return float(max(p_lower, p_upper))
+
+
+def bh_qvalues(pvalues: list[float]) -> list[float]:
+    """Benjamini–Hochberg (1995) q-values, in the order given: q_(i) = min over j ≥ i of
+    m · p_(j) / j (p sorted ascending), at most 1. A hypothesis survives FDR q* when its q < q*."""
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    q = [0.0] * m
+    running = 1.0
+    for rank in range(m, 0, -1):
+        i = order[rank - 1]
+        running = min(running, m * pvalues[i] / rank)
+        q[i] = running
+    return q
+
+
+def comparison_qvalues(comparisons: dict[tuple, dict[str, Comparison]]) -> dict[tuple[tuple, str], float]:
+    """{(row, task): BH q-value} over every comparison with a t-test p-value (kdrun-report's cells
+    against finetune), for a report that controls the false discovery rate over its whole table."""
+    keys = [(row, task) for row in sorted(comparisons) for task, c in sorted(comparisons[row].items())
+            if c.p_ttest is not None]
+    return dict(zip(keys, bh_qvalues([comparisons[r][t].p_ttest for r, t in keys])))
