@@ -121,8 +121,9 @@ def pyproject() -> dict:
 
 
 def module_source(spec: str) -> str:
-    """Source text of the module of an entry point ``module:function``."""
-    module = spec.split(":")[0]
+    """Source text of the module of an entry point ``module:function`` (of the main it wraps: kdrun.app.commands)."""
+    module, function = spec.split(":")
+    module = getattr(getattr(importlib.import_module(module), function), "target", spec).split(":")[0]
     found = importlib.util.find_spec(module)
     assert found is not None and found.origin, f"module {module} not found"
     return Path(found.origin).read_text(encoding="utf-8")

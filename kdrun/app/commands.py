@@ -26,10 +26,11 @@ def _command(name: str) -> Callable[[], Any]:
     module, function = MAINS[name].split(":")
 
     @quiet_on_closed_pipe
-    def command() -> Any:
-        return getattr(importlib.import_module(module), function)()
+    def command(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), function)(*args, **kwargs)
 
     command.__name__ = command.__qualname__ = name.replace("-", "_")
+    command.target = MAINS[name]  # type: ignore[attr-defined]  # the main it runs, "module:function"
     return command
 
 
