@@ -1,7 +1,7 @@
 """The claims study: the recipe's dry run lists every arm of every claim with six seeds, every run
 composes (and passes preflight where the GLUE files are present), and the analysis turns hand-made
-run directories into the differences, p-values, minimal detectable effects and verdicts computed by
-hand below."""
+run directories into the differences, p-values, q-values, minimal detectable effects, equivalence
+tests and verdicts computed by hand below."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import json
 from pathlib import Path
 
 import pytest
+from scipy import stats
 
 from kdrun.report import claims, claims_plan
 from kdrun.report.claims_plan import ARMS, CLAIMS
+from kdrun.report.significance import joint_mde_unit
 from tests.conftest import GLUE, load_script
 
 SEEDS = (1, 2, 3, 4, 5, 6)
@@ -118,13 +120,15 @@ def test_differences_p_values_and_verdicts_by_hand(tmp_path: Path) -> None:
     assert (r["n"], r["mean"], r["sd"]) == ("6", "1.00", "0.45")
     assert float(r["p_flip"]) == pytest.approx(2 / 64, abs=1e-4)  # every difference positive: 2 of the 2^6 sign flips
     assert float(r["p_t"]) == pytest.approx(0.002765, abs=1e-5)  # t = 1 / (0.447 / √6) = 5.48, 5 df
-    assert r["mde"] == "0.64"  # (2.571 + 0.920) · 0.447 / √6 = 0.637
+    # the MDE of both tests together: 1.80 · 0.447 = 0.81 (the t-test's alone, (2.571 + 0.920) · 0.447 / √6 = 0.64)
+    assert r["mde"] == "0.81" and r["tost"] == ""  # no equivalence test where the paper finds a difference
     st = claims.row_stats(dict(zip(SEEDS, [0.5, 1.0, 1.5, 1.0, 0.5, 1.5])), dict.fromkeys(SEEDS, 0.0))
-    assert st.mde == pytest.approx(0.6372, abs=1e-4) and st.sd == pytest.approx(0.4472, abs=1e-4)
+    assert st.mde == pytest.approx(joint_mde_unit(6) * 0.4472, abs=1e-4) and st.sd == pytest.approx(0.4472, abs=1e-4)
+    assert st.mde == pytest.approx(0.806, abs=0.01) and st.p_tost is None
     assert r["verdict"] == "reproduced"
     r = rows[(key, "sst2", "ckd", "ckd_no_ltr")]
-    assert r["mean"] == "0.00" and float(r["p_flip"]) == 1.0 and r["mde"] == "2.06"  # sd 1.449
-    assert r["verdict"] == "not reproduced: power (the paper's +0.3 is below the MDE 2.06)"
+    assert r["mean"] == "0.00" and float(r["p_flip"]) == 1.0 and r["mde"] == "2.61"  # sd 1.449 · 1.80
+    assert r["verdict"] == "not reproduced: power (the paper's +0.3 is below the MDE 2.61)"
     r = rows[(key, "sst2", "ckd", "ckd_no_both")]
     assert r["mean"] == "-1.00" and r["verdict"] == "not reproduced: reversed (-1.00, both tests)"
     assert rows[(key, "stsb", "ckd", "ckd_no_wr")]["verdict"] == "not run yet (5 of 6 seeds)"
@@ -133,20 +137,54 @@ def test_differences_p_values_and_verdicts_by_hand(tmp_path: Path) -> None:
     assert rows[(key, "sst2", "ckd_no_wr", "ckd_no_both")]["mean"] == "-2.00"
 
 
-def test_no_difference_rows_and_differences_of_differences(tmp_path: Path) -> None:
-    out = tmp_path / "claims"
+def _no_difference_arms(out: Path) -> None:
     _arm(out, "sst2", "ckd_w10", [80.0] * 6)
     _arm(out, "sst2", "ckd_w21", [81.0, 79.0, 80.5, 79.5, 80.2, 79.8])
     _arm(out, "sst2", "alp", [80.0] * 6)
     _arm(out, "sst2", "pkd", [79.0] * 6)  # gap at 3 layers: +1
     _arm(out, "sst2", "alp_l2", [75.0] * 6)
     _arm(out, "sst2", "pkd_l2", [72.0, 72.5, 71.5, 72.0, 72.5, 71.5])  # gap at 2 layers: +3, +2.5, +3.5, ...
+    _arm(out, "cola", "tb", [14.0] * 6, "matthews_correlation")
+    _arm(out, "cola", "tb_a0", [17.0, 11.0, 16.0, 12.0, 15.0, 13.0], "matthews_correlation")
+    _arm(out, "stsb", "tb", [47.0] * 6, "pearson")
+    _arm(out, "stsb", "tb_a1", [77.0, 78.0, 76.0, 77.0, 79.0, 75.0], "pearson")  # +30 ± 1.41
+
+
+def test_no_difference_rows_and_differences_of_differences(tmp_path: Path) -> None:
+    out = tmp_path / "claims"
+    _no_difference_arms(out)
     rows = _rows(out, tmp_path / "absent.csv")
     r = rows[("CKD: window", "sst2", "ckd_w21", "ckd_w10")]
-    assert r["mean"] == "0.00" and r["verdict"].startswith("reproduced: no difference detected (MDE ")
+    # w21 − w10: ±1, ±0.5, ±0.2: mean 0, sd √(2.58 / 5) = 0.718; TOST t = (0 − 1) / (0.718 / √6) = −3.41, 5 df
+    assert r["mean"] == "0.00" and r["tost"] == "±1.00: p 0.00952"
+    assert r["verdict"] == "reproduced: equivalent within ±1.00 (TOST p 0.00952)"
     r = rows[("ALP: smaller students", "sst2", "alp_l2-pkd_l2", "alp-pkd")]
     assert (r["n"], r["mean"]) == ("6", "2.00") and float(r["p_flip"]) == pytest.approx(2 / 64, abs=1e-4)
     assert r["verdict"] == "reproduced"
+    r = rows[("TinyBERT study: loss weights", "cola", "tb_a0", "tb")]
+    # tb_a0 − tb: ±3, ±2, ±1: mean 0, sd √5.6 = 2.366; TOST t = −1 / 0.966 = −1.035: not within ±1
+    assert r["tost"] == "±1.00: p 0.174" and r["verdict"] == (
+        "inconclusive: neither a difference nor equivalence within ±1.00 (TOST p 0.174)")
+    r = rows[("TinyBERT study: loss weights", "stsb", "tb_a1", "tb")]
+    assert r["verdict"] == "not reproduced: they differ by +30.00 (both tests)"
+
+
+def test_q_values_over_every_measured_row(tmp_path: Path) -> None:
+    out = tmp_path / "claims"
+    _no_difference_arms(out)
+    rows = _rows(out, tmp_path / "absent.csv")
+    tested = {k: r for k, r in rows.items() if r["q"] not in ("", "—")}
+    # five rows have six seeds and a t-test (ALP against PKD, 3 layers: every difference +1, no t-test)
+    assert len(tested) == 5 and rows[("ALP: smaller students", "sst2", "alp", "pkd")]["q"] == "—"
+    p_gap = stats.ttest_1samp([2, 1.5, 2.5, 2, 1.5, 2.5], 0.0).pvalue  # the third smallest p of five
+    assert rows[("ALP: smaller students", "sst2", "alp_l2-pkd_l2", "alp-pkd")]["q"] == format(5 / 3 * p_gap, ".3g")
+    assert rows[("CKD: window", "sst2", "ckd_w21", "ckd_w10")]["q"] == "1"  # p = 1 (mean 0)
+    summary = claims.verdict_summary(list(rows.values()))
+    assert summary.startswith(f"**Verdicts:** {len(rows)} rows; 2 reproduced in the paper's direction, 1 equivalent")
+    assert ("1 inconclusive, 2 not reproduced (one of two tests only: 1; a difference where the paper finds "
+            "none: 1), 88 not run yet.") in summary  # ALP against PKD: all +1, no spread, no t-test
+    assert summary.endswith("over the 5 rows' t-test p-values: 3 have q < 0.05 (2 reproduced, 1 a difference "
+                            "where the paper finds none).")
 
 
 def test_glue_cpu_rows_read_the_study_csv(tmp_path: Path) -> None:
@@ -198,6 +236,10 @@ def test_the_docs_table_is_replaced_between_its_markers(tmp_path: Path) -> None:
     text = docs.read_text()
     assert "old table" not in text and text.startswith("# Claims\n\nbefore") and text.endswith("after\n")
     assert "| CKD: components | sst2 | `ckd` > `ckd_no_wr` |" in text and "| reproduced | claims recipe |" in text
+    assert "| p t-test | q (BH) | MDE, both tests | equivalence (TOST) | verdict | source |" in text
+    assert "| 0.0312 | 0.00276 | 0.00276 | 0.81 | — | reproduced |" in text  # one row tested: q = p
+    assert "**Verdicts:** 94 rows; 1 reproduced in the paper's direction, 0 equivalent" in text
+    assert "0 inconclusive, 0 not reproduced, 93 not run yet. Benjamini–Hochberg over the 1 rows'" in text
     assert len(runs.read_text().splitlines()) == 13  # header and 12 runs
     assert ("**Measured:** 12 runs finished (cpu fp32; compute threads per run: 1); their run times sum to "
             "0.04 hours; the recipe's wall time, teacher fine-tuning included, 0.00 hours") in text

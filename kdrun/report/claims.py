@@ -6,8 +6,10 @@ A row compares two sides paired by seed: ``a`` against ``b``, where a side is an
 difference of two arms (``x-y``, per seed). ``expect`` is ``>`` (the paper finds a above b), ``=``
 (the paper finds no difference) or ``weights`` (a learnable map's final weights agree). Per row:
 the mean ± sd of the paired differences (dev score x100), the exact two-sided sign-flip test and the
-paired t-test (kdrun.report.significance, as kdrun-report), the minimal detectable effect
-MDE = (t_{1-α/2, n-1} + t_{0.8, n-1}) · sd / √n (α = 0.05, power 0.8), and a verdict.
+paired t-test (kdrun.report.significance, as kdrun-report), the Benjamini–Hochberg q-value of the
+t-test's p over every measured row, the minimal detectable effect of the rule a verdict applies
+(both tests at α = 0.05, power 0.8: ``significance.joint_mde``, simulated), for ``=`` rows two
+one-sided t-tests of equivalence within ±EQUIVALENCE_MARGIN, and a verdict.
 
 Runs are read from ``OUT/seeds/<task>/<arm>`` (the recipe's multiruns), and for the seeds missing
 there from the CSV the report writes (docs/data/claims_runs.csv), so runs made on another machine
@@ -26,17 +28,19 @@ from pathlib import Path
 
 from kdrun.report.claims_plan import ARMS, CLAIMS, NOT_TESTABLE, Claim, Row, glue_cpu_seed_rows, run_cpu_seconds, steps
 from kdrun.report.results import RunRecord, collect
-from kdrun.report.significance import min_detectable_effect, paired_t_p, sign_flip_p
+from kdrun.report.significance import bh_qvalues, joint_mde, paired_t_p, sign_flip_p, tost_p
 from kdrun.runtime.cache import write_text_atomic
 
 MIN_SEEDS = 6
 ALPHA = 0.05
+EQUIVALENCE_MARGIN = 1.0  # "=" rows: equivalent when the difference lies within ±1 point (x100)
 SAME_WEIGHTS = 0.05  # "the same values": final weights of the two initialisations within this, every seed
 PRECISION_NAMES = {"no": "fp32"}  # train.precision=no: no mixed precision
 START, END = "<!-- claims table: start -->", "<!-- claims table: end -->"
 
 __all__ = ["ARMS", "CLAIMS", "Claim", "Row", "Stats", "Measured", "measured_runs", "recorded_runs", "load_arms",
-           "glue_cpu_values", "row_stats", "verdict", "table_rows", "markdown_table", "arms_table",
+           "glue_cpu_values", "row_stats", "verdict", "verdict_kind", "verdict_summary", "table_rows",
+           "markdown_table", "arms_table",
            "not_testable_table", "replace_between_markers", "runs_csv", "final_map_weights", "wall_time",
            "cost_summary", "cost_table", "arm_scores_table"]
 
@@ -155,11 +159,15 @@ class Stats:
     sd: float | None = None
     p_flip: float | None = None
     p_t: float | None = None
-    mde: float | None = None
+    mde: float | None = None  # of the rule a verdict applies: both tests, in the paper's direction
+    p_tost: float | None = None  # equivalence within ±margin (rows whose paper finds no difference)
+    margin: float | None = None
+    q: float | None = None  # Benjamini–Hochberg over every measured row's t-test p
 
 
-def row_stats(a: dict[int, float], b: dict[int, float]) -> Stats:
-    """The paired differences a - b over the seeds both sides have."""
+def row_stats(a: dict[int, float], b: dict[int, float], margin: float | None = None) -> Stats:
+    """The paired differences a - b over the seeds both sides have; with ``margin``, also the TOST
+    p-value of equivalence within ±margin."""
     seeds = sorted(set(a) & set(b))
     if not seeds:
         return Stats(0)
@@ -167,7 +175,8 @@ def row_stats(a: dict[int, float], b: dict[int, float]) -> Stats:
     d = [x - y for x, y in zip(xa, xb)]
     sd = statistics.stdev(d) if len(d) > 1 else None
     return Stats(len(d), statistics.fmean(d), sd, sign_flip_p(d)[0], paired_t_p(xa, xb),
-                 None if sd is None else min_detectable_effect(len(d), sd))
+                 None if sd is None else joint_mde(len(d), sd),
+                 None if margin is None else tost_p(d, margin), margin)
 
 
 def _f(x: float | None, fmt: str = ".2f") -> str:
@@ -180,9 +189,7 @@ def verdict(row: Row, st: Stats, task: str = "", why: str = "") -> str:
         return "not run yet" if st.n == 0 else f"not run yet ({st.n} of {MIN_SEEDS} seeds)"
     sig = sum(p is not None and p < ALPHA for p in (st.p_flip, st.p_t))
     if row.expect == "=":
-        if sig == 0:
-            return f"reproduced: no difference detected (MDE {_f(st.mde)})"
-        return f"not reproduced: they differ by {st.mean:+.2f} ({sig} of 2 tests)"
+        return _equivalence_verdict(st, sig)
     if st.mean > 0 and sig == 2:
         return "reproduced"
     if sig == 2:
@@ -190,6 +197,17 @@ def verdict(row: Row, st: Stats, task: str = "", why: str = "") -> str:
     if sig == 1:
         return f"not reproduced: {'in' if st.mean > 0 else 'reversed in'} one of two tests only"
     return "not reproduced: " + _reason(row.delta_for(task), st, why)
+
+
+def _equivalence_verdict(st: Stats, sig: int) -> str:
+    """A "no difference" row: equivalent (TOST within ±margin), a difference (both tests), or neither."""
+    if st.p_tost is not None and st.p_tost < ALPHA:
+        return f"reproduced: equivalent within ±{st.margin:.2f} (TOST p {st.p_tost:.3g})"
+    if sig == 2:
+        return f"not reproduced: they differ by {st.mean:+.2f} (both tests)"
+    one = "; a difference in one of two tests only" if sig == 1 else ""
+    return (f"inconclusive: neither a difference nor equivalence within ±{st.margin:.2f} "
+            f"(TOST p {_f(st.p_tost, '.3g')}){one}")
 
 
 def _reason(delta: float | None, st: Stats, why: str) -> str:
@@ -259,38 +277,79 @@ def table_rows(out: Path, glue_cpu_csv: Path, recorded: Path | None = None) -> l
 def rows_of(runs: Runs, glue_cpu_csv: Path) -> list[dict[str, str]]:
     """table_rows from runs already read."""
     mine, theirs = values_of(runs), glue_cpu_values(glue_cpu_csv)
-    rows = []
-    for c in CLAIMS:
-        for task in c.tasks:
-            for r in (r for r in c.rows if not r.tasks or task in r.tasks):
-                rows.append(_table_row(c, task, r, runs, theirs if c.source == "glue_cpu" else mine))
-    return rows
+    found = [(c, task, r, _stats(r, task, theirs if c.source == "glue_cpu" else mine))
+             for c in CLAIMS for task in c.tasks for r in c.rows if not r.tasks or task in r.tasks]
+    tested = [st for *_, st in found if st is not None and st.n >= MIN_SEEDS and st.p_t is not None]
+    for st, q in zip(tested, bh_qvalues([st.p_t for st in tested])):
+        st.q = q
+    return [_table_row(c, task, r, runs, st) for c, task, r, st in found]
 
 
-def _table_row(c: Claim, task: str, r: Row, runs, values) -> dict[str, str]:
+def _stats(r: Row, task: str, values) -> Stats | None:
+    """The row's paired statistics (None for a ``weights`` row); ``=`` rows with the TOST margin."""
+    if r.expect == "weights":
+        return None
+    margin = EQUIVALENCE_MARGIN if r.expect == "=" else None
+    return row_stats(side(values, task, r.a), side(values, task, r.b), margin)
+
+
+def _table_row(c: Claim, task: str, r: Row, runs: Runs, st: Stats | None) -> dict[str, str]:
     base = {"claim": c.key, "paper": c.paper, "task": task, "a": r.a, "b": r.b, "expect": r.expect,
             "paper_numbers": r.paper, "source": c.source}
-    if r.expect == "weights":
+    if st is None:
         measured, v = weights_row(runs, task, r)
         detail = "; ".join(f"{arm}: {weights_cell(runs, task, arm) or '—'}" for arm in (r.a, r.b))
-        return {**base, "n": "", "mean": "", "sd": "", "p_flip": "", "p_t": "", "mde": "",
+        return {**base, "n": "", "mean": "", "sd": "", "p_flip": "", "p_t": "", "q": "", "mde": "", "tost": "",
                 "measured": f"{measured}; {detail}", "verdict": v}
-    st = row_stats(side(values, task, r.a), side(values, task, r.b))
     measured = "—" if st.n == 0 else f"{st.mean:+.2f} ± {_f(st.sd)} (n={st.n})"
+    tost = "" if st.margin is None else f"±{st.margin:.2f}: p {_f(st.p_tost, '.3g')}"
     return {**base, "n": str(st.n), "mean": _f(st.mean), "sd": _f(st.sd), "p_flip": _f(st.p_flip, ".3g"),
-            "p_t": _f(st.p_t, ".3g"), "mde": _f(st.mde), "measured": measured, "verdict": verdict(r, st, task, c.why)}
+            "p_t": _f(st.p_t, ".3g"), "q": _f(st.q, ".3g"), "mde": _f(st.mde), "tost": tost,
+            "measured": measured, "verdict": verdict(r, st, task, c.why)}
 
 
 def markdown_table(rows: list[dict[str, str]]) -> str:
     head = ("| claim | task | comparison | paper | kdrun: difference (mean ± sd, n) | p sign-flip | p t-test "
-            "| MDE | verdict | source |")
-    lines = [head, "|" + "---|" * 10]
+            "| q (BH) | MDE, both tests | equivalence (TOST) | verdict | source |")
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         cmp = f"{_label(r['a'])} {r['expect'] if r['expect'] != 'weights' else 'same weights as'} {_label(r['b'])}"
         src = "glue_cpu study" if r["source"] == "glue_cpu" else "claims recipe"
-        lines.append(f"| {r['claim']} | {r['task']} | {cmp} | {r['paper_numbers']} | {r['measured']} | "
-                     f"{r['p_flip'] or '—'} | {r['p_t'] or '—'} | {r['mde'] or '—'} | {r['verdict']} | {src} |")
+        cells = (r["measured"], *(r[k] or "—" for k in ("p_flip", "p_t", "q", "mde", "tost")), r["verdict"], src)
+        lines.append(f"| {r['claim']} | {r['task']} | {cmp} | {r['paper_numbers']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+KINDS = (("reproduced: equivalent", "equivalent"), ("reproduced", "reproduced"), ("inconclusive", "inconclusive"),
+         ("not reproduced: reversed (", "reversed (both tests)"),
+         ("not reproduced: reversed in one", "one of two tests only"),
+         ("not reproduced: in one", "one of two tests only"),
+         ("not reproduced: power", "power"), ("not reproduced: no difference", "no difference above the MDE"),
+         ("not reproduced: they differ", "a difference where the paper finds none"),
+         ("not reproduced: gap", "learnt weights apart"), ("not run yet", "not run yet"))
+
+
+def verdict_kind(v: str) -> str:
+    """The summary's category of a verdict: equivalent, reproduced, inconclusive, not run yet, or
+    the reason it is not reproduced."""
+    return next(label for prefix, label in KINDS if v.startswith(prefix))
+
+
+def verdict_summary(rows: list[dict[str, str]]) -> str:
+    """One paragraph: the rows per verdict and reason, and those whose q-value is below ALPHA."""
+    kinds = [verdict_kind(r["verdict"]) for r in rows]
+    count = {k: kinds.count(k) for k in dict.fromkeys(label for _, label in KINDS)}
+    failed = [k for k in count if count[k] and k not in ("equivalent", "reproduced", "inconclusive", "not run yet")]
+    tested = [(r, k) for r, k in zip(rows, kinds) if r["q"] not in ("", "—")]
+    survive = [k for r, k in tested if float(r["q"]) < ALPHA]
+    by = ", ".join(f"{survive.count(k)} {k}" for k in dict.fromkeys(survive))
+    return (f"**Verdicts:** {len(rows)} rows; {count['reproduced']} reproduced in the paper's direction, "
+            f"{count['equivalent']} equivalent (the paper's \"no difference\", within ±{EQUIVALENCE_MARGIN:.2f}), "
+            f"{count['inconclusive']} inconclusive, {sum(count[k] for k in failed)} not reproduced"
+            + (" (" + "; ".join(f"{k}: {count[k]}" for k in failed) + ")" if failed else "")
+            + (f", {count['not run yet']} not run yet" if count["not run yet"] else "")
+            + f". Benjamini–Hochberg over the {len(tested)} rows' t-test p-values: {len(survive)} have q < {ALPHA:g}"
+            + (f" ({by})." if survive else "."))
 
 
 def arms_table(tasks: tuple[str, ...] = ("cola", "sst2", "stsb")) -> str:
@@ -388,8 +447,9 @@ def write_report(out: Path, glue_cpu_csv: Path, docs: Path | None = None, runs_p
     every run into OUT/report and ``runs_path``, which also supplies the seeds OUT lacks (runs made
     elsewhere before). Returns the table."""
     runs = measured_runs(out, runs_path)
-    table = markdown_table(rows_of(runs, glue_cpu_csv))
-    block = (f"{cost_summary(runs, out)}\n\n{table}\n\n"
+    rows = rows_of(runs, glue_cpu_csv)
+    table = markdown_table(rows)
+    block = (f"{cost_summary(runs, out)}\n\n{verdict_summary(rows)}\n\n{table}\n\n"
              f"**Every arm's dev score** (main metric x100, mean ± sd over its seeds):\n\n{arm_scores_table(runs)}\n\n"
              f"**The arms** (each on `experiment=glue_cpu`, seeds 1–6):\n\n{arms_table()}\n\n"
              f"**Not testable offline:**\n\n{not_testable_table()}\n\n"
