@@ -189,3 +189,18 @@ def test_dynabert_form_still_dispatches(tmp_path: Path, monkeypatch) -> None:
     assert E.main(["RUN", "width=0.5", "depth=0.75", "OUT"]) == 0
     assert seen == [["RUN", "width=0.5", "depth=0.75", "OUT"]]
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_regression_agreement_is_the_correlation_of_the_scores_not_a_share_within_a_tolerance() -> None:
+    """A graph whose scores all lie within 0.01 of the student's but no longer follow them: the old
+    share-within-tolerance said 100 %; the correlation says how little they agree."""
+    import numpy as np
+
+    from kdrun.app.export import agreement, agreement_text
+
+    ref = np.array([[0.10], [0.11], [0.12], [0.13]])
+    other = np.array([[0.13], [0.12], [0.11], [0.10]])  # every |Δ| <= 0.03, order reversed
+    assert agreement(ref, other, regression=True) == pytest.approx(-1.0)
+    assert agreement(ref, ref * 2 + 1, regression=True) == pytest.approx(1.0)
+    assert agreement_text(0.99871, True) == "r 0.9987" and agreement_text(0.5, False) == "50.00 %"
+    assert agreement(np.array([[0.1, 0.9], [0.8, 0.2]]), np.array([[0.3, 0.7], [0.4, 0.6]]), False) == 0.5
