@@ -237,6 +237,13 @@ def test_significance_marks_csv_and_latex(paired: Path, tmp_path: Path, capsys) 
     assert float(r["p_vs_finetune"]) == pytest.approx(0.25)
     assert float(r["p_ttest_vs_finetune"]) == pytest.approx(p_t, rel=1e-5)
     assert float(r["mean_diff_vs_finetune"]) == pytest.approx(0.08 / 3, abs=1e-6)
+    # Benjamini–Hochberg over every t-tested cell, computed naively: min over p_j >= p_i of p_j m / rank_j
+    tested = {k: float(v["p_ttest_vs_finetune"]) for k, v in rows.items() if v["p_ttest_vs_finetune"]}
+    ranked = sorted(tested.values())
+    naive = {k: min(1.0, min(pj * len(ranked) / (j + 1) for j, pj in enumerate(ranked) if pj >= p))
+             for k, p in tested.items()}
+    assert {k: float(rows[k]["q_bh_vs_finetune"]) for k in tested} == pytest.approx(naive, rel=1e-5)
+    assert f"q (BH over {len(tested)}) = " in printed
     assert rows[(S, "logit", "rte")]["n_pairs"] == "2"
     assert float(rows[(S, "tinybert", "mrpc")]["p_vs_finetune"]) == pytest.approx(0.03125)
     for key in [(L6, "ckd", "rte"), (S, "finetune", "rte")]:

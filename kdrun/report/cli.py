@@ -62,6 +62,7 @@ from kdrun.report.significance import (  # noqa: F401
     cell_mde,
     compare_with_baseline,
     comparison_lines,
+    comparison_qvalues,
     mde_lines,
     min_detectable_effect,
     min_sign_flip_p,
@@ -239,12 +240,13 @@ def _report_text(t: dict[str, Any], problems: list[Problem], scale: float) -> st
 
 def _csv_text(t: dict[str, Any]) -> str:
     cells, tasks, metric_of, comparisons = (t[k] for k in ("cells", "tasks", "metric_of", "comparisons"))
+    qs = comparison_qvalues(comparisons)
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow([*t["label_cols"], "task", "metric", "mean", "std", "n_seeds", "seeds", "values", "setting",
                 "n_settings", "baseline", "n_pairs", "mean_diff_vs_finetune", "p_vs_finetune", "p_ttest_vs_finetune",
-                "mde_vs_finetune", "constant_baseline", "constant_baseline_se", "near_constant_baseline",
-                "x_smaller", "x_faster", "student_latency_ms", "teacher_latency_ms"])
+                "q_bh_vs_finetune", "mde_vs_finetune", "constant_baseline", "constant_baseline_se",
+                "near_constant_baseline", "x_smaller", "x_faster", "student_latency_ms", "teacher_latency_ms"])
     for row in sorted(cells):
         for task in tasks:
             c = cells[row].get(task)
@@ -255,7 +257,8 @@ def _csv_text(t: dict[str, Any]) -> str:
             sig = ["/".join(base) if base else "", cmp.n if cmp else (0 if base else ""),
                    "" if cmp is None or cmp.mean_diff is None else f"{cmp.mean_diff:.6f}",
                    "" if cmp is None or cmp.p_sign_flip is None else f"{cmp.p_sign_flip:.6g}",
-                   "" if cmp is None or cmp.p_ttest is None else f"{cmp.p_ttest:.6g}"]
+                   "" if cmp is None or cmp.p_ttest is None else f"{cmp.p_ttest:.6g}",
+                   _num(qs.get((row, task)))]
             w.writerow([*row, task, metric_of[task], f"{c.mean:.6f}", f"{c.std:.6f}", len(c.values),
                         " ".join(str(r.seed) for r in c.runs), " ".join(f"{v:.6f}" for v in c.values),
                         json.dumps(c.setting, default=str), c.n_settings, *sig, _num(cell_mde(cmp, t["alpha"])),

@@ -170,7 +170,9 @@ def significance_footnote(comparisons: dict[tuple, dict[str, Comparison]], alpha
 
 
 def comparison_lines(comparisons: dict[tuple, dict[str, Comparison]], tasks: list[str], scale: float) -> list[str]:
-    lines = []
+    """One line per comparison: Δ, both tests' p and the Benjamini–Hochberg q of its t-test over the
+    report's comparisons (the false discovery rate over the whole table)."""
+    lines, qs = [], comparison_qvalues(comparisons)
     for row in sorted(comparisons):
         for task in tasks:
             c = comparisons[row].get(task)
@@ -183,7 +185,8 @@ def comparison_lines(comparisons: dict[tuple, dict[str, Comparison]], tasks: lis
             kind = "exact" if c.exact else f"Monte Carlo, {MONTE_CARLO_DRAWS} draws"
             lines.append(head + f"Δ = {c.mean_diff * scale:+.2f} over n={c.n} seeds [{','.join(map(str, c.seeds))}]; "
                          f"sign-flip p = {_fmt_p(c.p_sign_flip)} ({kind}, smallest attainable "
-                         f"{min_sign_flip_p(c.n):.3g}); paired t-test p = {_fmt_p(c.p_ttest)}")
+                         f"{min_sign_flip_p(c.n):.3g}); paired t-test p = {_fmt_p(c.p_ttest)}"
+                         + (f", q (BH over {len(qs)}) = {_fmt_p(qs[row, task])}" if (row, task) in qs else ""))
     return lines
 
 
