@@ -177,7 +177,14 @@ def test_packed_sweep_runs_two_at_once_with_the_results_of_one_at_a_time(tmp_pat
     sweep = ["-m", *TINY, *TOY, "seed=1,2,3,4"]
     packed_dir, local_dir = tmp_path / "packed", tmp_path / "local"
     out = kdrun(tmp_path, *sweep, "launcher=packed", "hydra.launcher.jobs_at_once=2", f"hydra.sweep.dir={packed_dir}")
-    assert "[kdrun] 2 of 4 jobs at once (hydra.launcher.jobs_at_once=2)" in out.stdout
+    assert f"[kdrun] 2 of 4 jobs at once (hydra.launcher.jobs_at_once=2); sweep directory {packed_dir}" in out.stdout
+    # each job's start, end and result, a summary, as the other launchers report; no empty .submitit/%j
+    for i in range(4):
+        assert f"[kdrun] job {i} (seed={i + 1}) started" in out.stdout
+        assert re.search(rf"^\[kdrun\] job {i} \(seed={i + 1}\) ended after \d+ s: main metric \d\.\d{{4}}$",
+                         out.stdout, re.M), out.stdout
+    assert re.search(r"^\[kdrun\] launcher=packed: 4 of 4 jobs done, 0 failed, in \d+ s$", out.stdout, re.M)
+    assert not (packed_dir / ".submitit" / "%j").exists()
     spans = job_intervals(packed_dir)
     assert len(spans) == 4
     assert most_at_once(spans) == 2, spans

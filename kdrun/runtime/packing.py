@@ -136,6 +136,9 @@ def _packed_executor_class():
                 time.sleep(POLL_S)
             job = super()._submit_command(command)
             started.append(job._process)
+            names = getattr(self, "names", [])
+            name = f" ({names[len(started) - 1]})" if len(started) <= len(names) else ""
+            print(f"[kdrun] job {len(started) - 1}{name} started", flush=True)
             return job
 
     return PackedExecutor
@@ -163,12 +166,50 @@ def packed_submit(launcher: Any) -> Callable[[Sequence[Sequence[str]], int], lis
 
     def submit(job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list:
         packing = resolve(*settings, len(job_overrides))
-        print(f"[kdrun] {packing.jobs} of {len(job_overrides)} jobs at once ({packing.reason})", flush=True)
-        jobs = _executor(launcher, packing.jobs).map_array(launcher, *zip(*_job_args(job_overrides,
-                                                                                      initial_job_idx)))
-        return [job.results()[0] for job in jobs]
+        print(f"[kdrun] {packing.jobs} of {len(job_overrides)} jobs at once ({packing.reason}); sweep directory "
+              f"{launcher.config.hydra.sweep.dir}", flush=True)
+        started = time.perf_counter()
+        executor = _executor(launcher, packing.jobs)
+        executor.names = job_names(job_overrides)
+        jobs = executor.map_array(launcher, *zip(*_job_args(job_overrides, initial_job_idx)))
+        results = _follow(jobs, executor.names, time.perf_counter() - started)
+        _drop_template_folder(params["submitit_folder"])
+        return results
 
     return submit
+
+
+def job_names(job_overrides: Sequence[Sequence[str]]) -> list[str]:
+    """Each job by the overrides that set it apart from the sweep's others (``seed=2``)."""
+    shared = set.intersection(*(set(o) for o in job_overrides)) if len(job_overrides) > 1 else set()
+    return [" ".join(x for x in o if x not in shared) or "the sweep's only job" for o in job_overrides]
+
+
+def _follow(jobs: list, names: list[str], elapsed: float) -> list:
+    """Each job's end and result as it finishes (one line each), then a summary; the jobs' returns."""
+    started, pending, ok = time.perf_counter() - elapsed, dict(enumerate(jobs)), 0
+    while pending:
+        for i in [i for i, job in pending.items() if job.done()]:
+            ret = pending.pop(i).results()[0]
+            done = getattr(ret.status, "name", str(ret.status)) == "COMPLETED"
+            ok += done
+            value = f"main metric {ret.return_value:.4f}" if done and isinstance(ret.return_value, float) else ""
+            why = "" if done else f"failed: {str(getattr(ret, '_return_value', '') or ret.status)[:200]}"
+            print(f"[kdrun] job {i} ({names[i]}) ended after {time.perf_counter() - started:.0f} s: "
+                  f"{value or why or 'done'}", flush=True)
+        if pending:
+            time.sleep(POLL_S)
+    print(f"[kdrun] launcher=packed: {ok} of {len(jobs)} jobs done, {len(jobs) - ok} failed, in "
+          f"{time.perf_counter() - started:.0f} s", flush=True)
+    return [job.results()[0] for job in jobs]
+
+
+def _drop_template_folder(folder: str) -> None:
+    """submitit makes the folder template's own directory (``…/%j``) besides each job's: remove it
+    when it is left empty."""
+    template = Path(folder)
+    if "%j" in template.name and template.is_dir() and not any(template.iterdir()):
+        template.rmdir()
 
 
 def _executor(launcher: Any, slots: int):
