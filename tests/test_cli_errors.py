@@ -87,6 +87,9 @@ PREFLIGHT_CASES = [
     (["train.pad_to_multiple_of=1000", "task.max_seq_length=48"],
      "train.pad_to_multiple_of=1000 is above task.max_seq_length=48, the widest a batch can be; choose a multiple "
      "of at most 48, or 0 (each batch padded to its longest row)"),
+    (["objective=mgskd", "objective.params.span=false", "objective.params.heads=7"],  # the tiny teacher: 32 wide
+     "objective.stages[0].losses[0] (mgskd_token): the teacher's width 32 is not divisible by heads=7; set "
+     "objective.params.heads to a divisor of it (e.g. [8, 16, 32])"),
 ]
 
 

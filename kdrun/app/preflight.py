@@ -81,7 +81,52 @@ def preflight(cfg: DictConfig) -> RunPlan:
     fine_tunes = uses_teacher and not cfg.teacher.checkpoint and kind.fine_tunes_teacher
     _check_optimizers(cfg, plans, fine_tunes_teacher=fine_tunes)
     refs = _resolve_models(cfg, uses_teacher)
+    if uses_teacher:
+        _check_terms_on_model_sizes(cfg, plans, mapping, refs)
     return RunPlan(plans=plans, refs=refs, uses_teacher=uses_teacher, mapping=mapping, kind=kind)
+
+
+def _check_terms_on_model_sizes(cfg: DictConfig, plans: list, mapping: Any, refs: dict[str, Any]) -> None:
+    """The loss terms' checks against the two models' sizes (e.g. MGSKD's relation heads dividing the
+    teacher's width), read from the models' configs before the teacher is fine-tuned: the objective
+    is built as the run builds it, from configs instead of models. Where a config cannot be read
+    without loading (a model that is not local), the same checks run when the models are built."""
+    from kdrun.engine.objective import Objective
+
+    infos = {role: _config_sizes(cfg, role, refs) for role in ("teacher", "student")}
+    if None in infos.values():
+        return
+    Objective(plans, mapping, 2, infos["student"], infos["teacher"], balance=cfg.objective.balance,
+              balance_alpha=cfg.objective.balance_alpha)  # raises ConfigError naming the term's key
+
+
+def _config_sizes(cfg: DictConfig, role: str, refs: dict[str, Any]) -> dict[str, Any] | None:
+    """A model's sizes as kdrun.models.loading.describe gives them, from its config alone (None when
+    that would need more than a local config file)."""
+    m = getattr(cfg, role)
+    if m.kind == "random":
+        return {"layers": int(m.num_hidden_layers), "hidden": int(m.hidden_size),
+                "heads": int(m.num_attention_heads), "family": str(m.family)}
+    if m.kind == "truncated" and m.source == "teacher":
+        teacher = _config_sizes(cfg, "teacher", refs)
+        return None if teacher is None else {**teacher, "layers": int(m.num_layers)}
+    ref = refs.get(role)
+    if ref is None or not str(ref).startswith("/"):
+        return None
+    try:
+        from transformers import AutoConfig
+
+        from kdrun.models.adaptors import family_of, find_adaptor
+
+        c = AutoConfig.from_pretrained(ref, local_files_only=True)
+        adaptor = find_adaptor(c)
+        sizes = adaptor.sizes(c) if adaptor else {"layers": int(c.num_hidden_layers), "hidden": int(c.hidden_size),
+                                                  "heads": int(c.num_attention_heads)}
+    except Exception:  # noqa: BLE001 - an unreadable config: the checks run when the models load
+        return None
+    if m.kind == "truncated":
+        sizes["layers"] = int(m.num_layers)
+    return {**sizes, "family": family_of(c)}
 
 
 def _check_step_mode(train: Any) -> None:
