@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -23,10 +24,12 @@ TINYBERT = ["objective=tinybert", "objective.params.intermediate_epochs=1", "obj
 
 
 def _run(cfg, run_dir: Path) -> str:
+    """The run's printed output, its store lines' continuations (kdrun.engine.teacher_store.wrapped)
+    joined back, so a phrase reads the same whatever the paths' lengths."""
     buf = io.StringIO()
     with redirect_stdout(buf):
         run(cfg, run_dir)
-    return buf.getvalue()
+    return re.sub(r"\n\[kdrun\]   ", " ", buf.getvalue())
 
 
 def published(kind_dir: Path) -> list[Path]:

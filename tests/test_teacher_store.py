@@ -5,6 +5,7 @@ live teacher gives (fp32 store)."""
 from __future__ import annotations
 
 import io
+import re
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -21,10 +22,12 @@ TINYBERT = ["objective=tinybert", "objective.params.intermediate_epochs=1", "obj
 
 
 def quiet_run(cfg, run_dir: Path) -> str:
+    """The run's printed output, its store lines' continuations (kdrun.engine.teacher_store.wrapped)
+    joined back, so a phrase reads the same whatever the paths' lengths."""
     buf = io.StringIO()
     with redirect_stdout(buf):
         run(cfg, run_dir)
-    return buf.getvalue()
+    return re.sub(r"\n\[kdrun\]   ", " ", buf.getvalue())
 
 
 def student(run_dir: Path) -> dict[str, torch.Tensor]:
