@@ -116,17 +116,12 @@ def _config_sizes(cfg: DictConfig, role: str, refs: dict[str, Any]) -> dict[str,
     try:
         from transformers import AutoConfig
 
-        from kdrun.models.adaptors import family_of, find_adaptor
+        from kdrun.models.loading import config_sizes
 
-        c = AutoConfig.from_pretrained(ref, local_files_only=True)
-        adaptor = find_adaptor(c)
-        sizes = adaptor.sizes(c) if adaptor else {"layers": int(c.num_hidden_layers), "hidden": int(c.hidden_size),
-                                                  "heads": int(c.num_attention_heads)}
+        sizes = config_sizes(AutoConfig.from_pretrained(ref, local_files_only=True))
     except Exception:  # noqa: BLE001 - an unreadable config: the checks run when the models load
         return None
-    if m.kind == "truncated":
-        sizes["layers"] = int(m.num_layers)
-    return {**sizes, "family": family_of(c)}
+    return {**sizes, "layers": int(m.num_layers)} if m.kind == "truncated" else sizes
 
 
 def _check_step_mode(train: Any) -> None:

@@ -200,10 +200,11 @@ class StepForward:
         started = time.perf_counter()
         with self._exact_fp32():
             loss, vec, keys = self._compiled(batch, teacher)
-        self._announce(counters["stats"]["unique_graphs"] - before[0], batch, time.perf_counter() - started)
+        new = counters["stats"]["unique_graphs"] - before[0]
+        self._announce(new, batch, time.perf_counter() - started)
         if teacher is None and self.plan.uses_teacher:  # the live teacher's pass, traced uncounted
             count_forward(self.parts.teacher, int(batch["attention_mask"].shape[0]))
-        self.compilations += counters["stats"]["unique_graphs"] - before[0]
+        self.compilations += new
         self.graph_breaks += sum(counters["graph_break"].values()) - before[1]
         if self.mode == "graphed":  # copied out of the graph's memory before the next replay
             vec = vec.clone()

@@ -248,16 +248,22 @@ def set_attn_implementation(model: nn.Module, need_attentions: bool) -> None:
         model.config._attn_implementation = impl
 
 
-def describe(model: nn.Module) -> dict[str, Any]:
-    """Sizes the loss terms' checks read, plus the family (``config.model_type``)."""
-    c = model.config
+def config_sizes(c: Any) -> dict[str, Any]:
+    """Layers, hidden width and heads of a model config (its family's adaptor names the fields), plus
+    the family (``config.model_type``): what the loss terms' checks read."""
     adaptor = find_adaptor(c)
     sizes = adaptor.sizes(c) if adaptor else {
         "layers": int(c.num_hidden_layers), "hidden": int(c.hidden_size), "heads": int(c.num_attention_heads)}
+    return {**sizes, "family": family_of(c)}
+
+
+def describe(model: nn.Module) -> dict[str, Any]:
+    """Sizes the loss terms' checks read, plus the family (``config.model_type``)."""
+    sizes = config_sizes(model.config)
     return {
         **sizes,
         "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
-        "family": family_of(c),
+        "family": sizes["family"],
     }
 
 
