@@ -148,11 +148,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.claims and args.recipe != "claims":
         p.error("--claims: only with --recipe claims")
     if args.claims:
-        from kdrun.report.claims_plan import CLAIMS, selected
+        from kdrun.report.claims_plan import names
 
-        if not any(selected(c, args.claims.split(",")) for c in CLAIMS):
-            names = sorted({c.key for c in CLAIMS if c.source == "recipe"})
-            p.error(f"--claims {args.claims!r} names no claim the recipe runs; its claims: {'; '.join(names)}")
+        if not any(n.lower().startswith(x.strip().lower()) for n in names() for x in args.claims.split(",")):
+            p.error(f"--claims {args.claims!r} names no claim or probe the recipe runs; its claims and probes: "
+                    f"{'; '.join(names())}")
     unknown = [t for t in args.tasks.split(",") if t not in GLUE_DIRS]
     if unknown:
         p.error(f"--tasks: unknown {', '.join(unknown)}; kdrun's GLUE tasks are {', '.join(GLUE_DIRS)}")
@@ -521,8 +521,8 @@ def run_claims(args: argparse.Namespace, out: Path) -> int:
     warmed: set[str] = set()
     only = args.claims.split(",") if args.claims else None
     recorded = {} if args.ignore_recorded else recorded_seeds(CLAIMS_RUNS)
-    wanted = {int(x) for x in args.seeds.split(",")}
     for claim, task, name in claims_plan.steps(args.tasks.split(","), only):
+        wanted = set(claims_plan.seeds_of(name, sorted(int(x) for x in args.seeds.split(","))))
         if wanted <= recorded.get((task, name), set()) and not (out / "seeds" / task / name).exists():
             print(f"# {task} {name}: seeds {args.seeds} recorded in docs/data/claims_runs.csv; a run skips "
                   "them (--ignore-recorded reruns them)", flush=True)
@@ -541,7 +541,8 @@ def run_claims(args: argparse.Namespace, out: Path) -> int:
                   f"(docs/data/glue_cpu_runs.csv)", flush=True)
         overrides = claims_plan.merge_overrides(common_overrides(args, task), [f"objective={arm.objective}"],
                                                 [f"{k}={v}" for k, v in setting.items()], arm.overrides)
-        kdrun_multirun([*overrides, *packed_overrides(args.jobs), KEEP_NO_CHECKPOINTS, f"seed={args.seeds}"],
+        seeds = ",".join(map(str, claims_plan.seeds_of(name, [int(x) for x in args.seeds.split(",")])))
+        kdrun_multirun([*overrides, *packed_overrides(args.jobs), KEEP_NO_CHECKPOINTS, f"seed={seeds}"],
                        out / "seeds" / task / name, args.dry_run)
         if not args.dry_run:
             log_wall_time(out, started, args)

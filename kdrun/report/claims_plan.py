@@ -107,6 +107,58 @@ ARMS: dict[str, Arm] = {
     "mg_tok_angle_k5": _mg(**ONE, span=False, sample=False, token_pair=False, k1=5, k2=5),
 }
 
+L2 = ("student.num_layers=2",)
+SHARES = "logger.grad_shares=true"  # per-term gradient shares in metrics.jsonl (the probes' seed-1 runs)
+# Controls and probes: runs that explain an arm's result rather than test a claim (docs/claims.md,
+# "Collapsed arms"). The same student fine-tuned on the labels, or under logit KD; the collapsed
+# arms at other learning rates and three times the budget; one run each logging gradient shares.
+ARMS.update({
+    "finetune": Arm("finetune"), "finetune_l2": Arm("finetune", L2), "logit_l2": Arm("logit", L2),
+    "pkd_l2_lr1e-4": Arm("pkd", (*L2, "train.lr=1e-4")), "pkd_l2_lr1e-3": Arm("pkd", (*L2, "train.lr=1e-3")),
+    "pkd_l2_e9": Arm("pkd", (*L2, "train.epochs=9")), "pkd_l2_shares": Arm("pkd", (*L2, SHARES)),
+    "finetune_l2_e9": Arm("finetune", (*L2, "train.epochs=9")),
+    "tb_lr1e-4": _tb("train.lr=1e-4"), "tb_e9": _tb("train.epochs=9"), "tb_shares": _tb(SHARES),
+    "tb_a1_shares": _tb(SHARES, a=1),
+    "mg_span_angle_lr1e-4": Arm("mgskd", (*ARMS["mg_span_angle"].overrides, "train.lr=1e-4")),
+    "mg_span_angle_shares": Arm("mgskd", (*ARMS["mg_span_angle"].overrides, SHARES)),
+    "mg_smp_pair_lr1e-4": Arm("mgskd", (*ARMS["mg_smp_pair"].overrides, "train.lr=1e-4")),
+    "mg_smp_pair_shares": Arm("mgskd", (*ARMS["mg_smp_pair"].overrides, SHARES)),
+    # ALP with the dot products divided by sqrt(d): weights that spread over the teacher layers
+    "alp_sqrtd": Arm("alp", ("+mapping.params.temperature=sqrt_d",)),
+    "alp_sqrtd_l2": Arm("alp", (*L2, "+mapping.params.temperature=sqrt_d")),
+})
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Arms run beside the claims to explain a result, not to test a statement: ``seeds`` of each
+    (the first of the recipe's seeds) on each of ``tasks``."""
+
+    key: str
+    text: str
+    tasks: tuple[str, ...]
+    arms: tuple[str, ...]
+    seeds: int = 6
+
+
+PROBES: tuple[Probe, ...] = (
+    Probe("Controls: fine-tuned students", "each student fine-tuned on the labels: the bar a collapsed arm is "
+          "measured against", ("cola", "sst2", "stsb"), ("finetune",)),
+    Probe("Controls: 2-layer students", "2-layer students fine-tuned and under logit KD", ("sst2", "stsb"),
+          ("finetune_l2", "logit_l2")),
+    Probe("Collapse: 2-layer STS-B", "pkd_l2 at other learning rates and three times the budget",
+          ("stsb",), ("pkd_l2_lr1e-4", "pkd_l2_lr1e-3", "pkd_l2_e9", "finetune_l2_e9"), seeds=3),
+    Probe("Collapse: TinyBERT", "tinybert at a lower learning rate and three times the budget", ("stsb",),
+          ("tb_lr1e-4", "tb_e9"), seeds=3),
+    Probe("Collapse: MGSKD relation forms", "span angles and sample pairs at a lower learning rate", ("stsb",),
+          ("mg_span_angle_lr1e-4", "mg_smp_pair_lr1e-4"), seeds=3),
+    Probe("Collapse: gradient shares", "one run of each collapsed arm logging its terms' gradient shares",
+          ("stsb",), ("pkd_l2_shares", "tb_shares", "tb_a1_shares", "mg_span_angle_shares", "mg_smp_pair_shares"),
+          seeds=1),
+    Probe("ALP: spread weights", "ALP's attention over teacher layers at temperature sqrt(d)", ("sst2", "stsb"),
+          ("alp_sqrtd", "alp_sqrtd_l2")),
+)
+
 PARK, LIU, PASSBAN, JASSANI = ("Park, Kim & Yang (2021)", "Liu, Tao, Feng & Zhao (2022)",
                                "Passban, Wu, Rezagholizadeh & Liu (2021)", "Jassani, Dankar & Kumar")
 T4 = "EMNLP Table 4, 4/512 student:"
@@ -238,6 +290,11 @@ def selected(claim: Claim, prefixes: list[str] | None) -> bool:
         prefixes is None or any(claim.key.lower().startswith(x.strip().lower()) for x in prefixes))
 
 
+def names() -> list[str]:
+    """The names ``--claims`` chooses from: the recipe's claims, then its probes."""
+    return [c.key for c in CLAIMS if c.source == "recipe"] + [pr.key for pr in PROBES]
+
+
 def steps(tasks: list[str], claims: list[str] | None = None) -> list[tuple[str, str, str]]:
     """(claim, task, arm) in the order the recipe runs them: one claim at a time, every arm of its rows
     on each of its tasks, so each finished claim fills whole rows; an arm that an earlier claim ran
@@ -253,7 +310,17 @@ def steps(tasks: list[str], claims: list[str] | None = None) -> list[tuple[str, 
                     if (task, arm) not in seen:
                         seen.add((task, arm))
                         out.append((c.key, task, arm))
+    for pr in PROBES:
+        if claims is None or any(pr.key.lower().startswith(x.strip().lower()) for x in claims):
+            out += [(pr.key, t, a) for t in pr.tasks if t in tasks for a in pr.arms if (t, a) not in seen]
+            seen.update((t, a) for t in pr.tasks for a in pr.arms)
     return out
+
+
+def seeds_of(arm: str, seeds: list[int]) -> list[int]:
+    """The seeds the recipe runs for ``arm``: all of ``seeds``, or a probe's first few."""
+    n = next((pr.seeds for pr in PROBES if arm in pr.arms), len(seeds))
+    return seeds[:n]
 
 
 def glue_cpu_seed_rows(csv_path: Path) -> list[dict[str, str]]:
