@@ -5,6 +5,8 @@ tests and verdicts computed by hand below."""
 
 from __future__ import annotations
 
+import csv
+import io
 import itertools
 import json
 from pathlib import Path
@@ -94,7 +96,9 @@ def _run(root: Path, task: str, arm: str, seed: int, value: float, metric: str =
     cfg = {"seed": seed, "task": {"name": task, "main_metric": metric}, "train": {"lr": 3e-4, "num_threads": 1}}
     (job / "results.json").write_text(json.dumps({
         "task": task, "objective": ARMS[arm].objective, "student": {"name": "s", "metrics": {"validation": {
-            metric: value / 100}}}, "config": cfg, "device": "cpu", "precision": "no", "timings": {"total_s": 12.0}}))
+            metric: value / 100}}}, "config": cfg, "device": "cpu", "precision": "no", "timings": {"total_s": 12.0},
+        "git_sha": "abc123", "git_dirty": seed == 2, "teacher": {"key": f"teacher-{task}"},
+        "stages": [{"stage": "a", "steps": 189}, {"stage": "b", "steps": 63}]}))
     return job
 
 
@@ -181,8 +185,8 @@ def test_q_values_over_every_measured_row(tmp_path: Path) -> None:
     assert rows[("CKD: window", "sst2", "ckd_w21", "ckd_w10")]["q"] == "1"  # p = 1 (mean 0)
     summary = claims.verdict_summary(list(rows.values()))
     assert summary.startswith(f"**Verdicts:** {len(rows)} rows; 2 reproduced in the paper's direction, 1 equivalent")
-    assert ("1 inconclusive, 2 not reproduced (one of two tests only: 1; a difference where the paper finds "
-            "none: 1), 88 not run yet.") in summary  # ALP against PKD: all +1, no spread, no t-test
+    assert ("1 inconclusive, 0 not informative (an arm collapsed), 2 not reproduced (one of two tests only: 1; "
+            "a difference where the paper finds none: 1), 88 not run yet.") in summary  # ALP against PKD: all +1, no spread, no t-test
     assert summary.endswith("over the 5 rows' t-test p-values: 3 have q < 0.05 (2 reproduced, 1 a difference "
                             "where the paper finds none).")
 
@@ -221,8 +225,8 @@ def test_learnt_weights_agree_or_not(tmp_path: Path) -> None:
     assert "largest gap 0.010 ± 0.000 (n=6)" in r["measured"] and "s1/t1 0.30, s1/t2 0.70" in r["measured"]
     r = rows[("TinyBERT study: learnt weights", "stsb", "tb_learn_u", "tb_learn_l")]
     assert r["verdict"] == "not reproduced: gap up to 0.310 (start 0.381)"
-    assert json.loads(claims.runs_csv(claims.measured_runs(out)).splitlines()[1].split(",", 13)[-1]
-                      .strip('"').replace('""', '"'))
+    first = next(csv.DictReader(io.StringIO(claims.runs_csv(claims.measured_runs(out)))))
+    assert json.loads(first["map_weights"]) == {"map/s1/t1": 0.31, "map/s1/t2": 0.69}  # cola tb_learn_l, seed 1
 
 
 def test_the_docs_table_is_replaced_between_its_markers(tmp_path: Path) -> None:
@@ -239,7 +243,8 @@ def test_the_docs_table_is_replaced_between_its_markers(tmp_path: Path) -> None:
     assert "| p t-test | q (BH) | MDE, both tests | equivalence (TOST) | verdict | source |" in text
     assert "| 0.0312 | 0.00276 | 0.00276 | 0.81 | — | reproduced |" in text  # one row tested: q = p
     assert "**Verdicts:** 94 rows; 1 reproduced in the paper's direction, 0 equivalent" in text
-    assert "0 inconclusive, 0 not reproduced, 93 not run yet. Benjamini–Hochberg over the 1 rows'" in text
+    assert ("0 inconclusive, 0 not informative (an arm collapsed), 0 not reproduced, 93 not run yet. "
+            "Benjamini–Hochberg over the 1 rows'") in text
     assert len(runs.read_text().splitlines()) == 13  # header and 12 runs
     assert ("**Measured:** 12 runs finished (cpu fp32; compute threads per run: 1); their run times sum to "
             "0.04 hours; the recipe's wall time, teacher fine-tuning included, 0.00 hours") in text
@@ -257,7 +262,7 @@ def test_cpu_estimate_and_order() -> None:
     steps = claims_plan.steps(["cola", "sst2", "stsb"])
     assert len(set(steps)) == len(steps) == len({(t, a) for _, t, a in steps})
     order = [c for c, _, _ in steps]
-    assert order == sorted(order, key=[c.key for c in CLAIMS].index)  # one claim at a time
+    assert order == sorted(order, key=claims_plan.names().index)  # one claim at a time, then the probes
     assert claims_plan.merge_overrides(["a=1", "b=2"], ["a=3"]) == ["a=3", "b=2"]
 
 
@@ -311,7 +316,7 @@ def test_claims_option_runs_only_the_named_claims(capsys, tmp_path: Path) -> Non
         script.main(["--glue", str(tmp_path), "--recipe", "glue_cpu", "--claims", "ckd", "--dry-run"])
     with pytest.raises(SystemExit):  # a name that selects nothing is an error listing the claims
         script.main(["--glue", str(tmp_path), "--recipe", "claims", "--claims", "nosuch", "--dry-run"])
-    assert "names no claim the recipe runs; its claims: ALP: smaller students;" in capsys.readouterr().err
+    assert "names no claim or probe the recipe runs; its claims and probes: CKD: components;" in capsys.readouterr().err
 
 
 def test_the_recorded_csv_keeps_the_rows_of_runs_made_elsewhere(tmp_path: Path) -> None:
@@ -359,3 +364,50 @@ def test_the_recipe_skips_arms_the_csv_records_but_its_dry_run_lists_them(capsys
     assert script.main([*argv, "--dry-run"]) == 0 and called == ["ckd", "ckd_no_wr", "ckd_no_ltr", "ckd_no_both"]
     called.clear()
     assert script.main([*argv, "--ignore-recorded"]) == 0 and "ckd_no_wr" in called
+
+
+def test_a_collapsed_arm_makes_its_rows_not_informative(tmp_path: Path) -> None:
+    out = tmp_path / "claims"
+    key = "ALP: smaller students"
+    _arm(out, "stsb", "finetune_l2", [40.0, 42.0, 41.0, 39.0, 43.0, 41.0], "pearson")
+    _arm(out, "stsb", "pkd_l2", [20.0, 25.0, 18.0, 22.0, 15.0, 21.0], "pearson")  # ~20 below its control
+    _arm(out, "stsb", "alp_l2", [38.0, 40.0, 39.0, 37.0, 41.0, 39.0], "pearson")  # 2 below: learnt, not collapsed
+    _arm(out, "stsb", "alp", [1.0, -1.0, 2.0, -2.0, 0.5, -0.5], "pearson")  # a constant predictor's Pearson
+    _arm(out, "stsb", "pkd", [70.0, 71.0, 72.0, 70.5, 71.5, 70.0], "pearson")
+    rows = _rows(out, tmp_path / "absent.csv")
+    assert rows[(key, "stsb", "alp_l2", "pkd_l2")]["verdict"] == "not informative: `pkd_l2` collapsed (see Collapsed arms)"
+    assert rows[(key, "stsb", "alp", "pkd")]["verdict"] == "not informative: `alp` collapsed (see Collapsed arms)"
+    gap = rows[(key, "stsb", "alp_l2-pkd_l2", "alp-pkd")]["verdict"]
+    assert gap == "not informative: `alp_l2`, `pkd_l2`, `alp` collapsed (see Collapsed arms)" or "`pkd_l2`" in gap
+    values = claims.values_of(claims.measured_runs(out))
+    assert claims.collapse_reason(values, "stsb", "alp_l2") is None  # 2 points below its control: not collapsed
+    why = claims.collapse_reason(values, "stsb", "pkd_l2")
+    # pkd_l2 − finetune_l2 per seed: −20, −17, −23, −17, −28, −20: mean −20.83, sd 4.17; MDE 1.80 · 4.17 = 7.51
+    assert why == "20.2 ± 3.4, below `finetune_l2` (41.0) by 20.8 ± 4.2, more than the MDE 7.51"
+    assert claims.collapse_reason(values, "stsb", "alp").startswith("0.0 ± 1.4, within noise of a constant predictor (0.0")
+    assert claims.control_of("pkd_l2") == "finetune_l2" and claims.control_of("tb") == "finetune"
+    table = claims.collapsed_table(claims.measured_runs(out), tmp_path / "absent.csv")
+    assert "| stsb | `pkd_l2` | claims recipe | 20.2 ± 3.4, below `finetune_l2`" in table and "`alp_l2`" not in table
+    summary = claims.verdict_summary(list(rows.values()))
+    assert "not informative (an arm collapsed)" in summary and " 3 not informative" in summary
+
+
+def test_the_csv_records_each_runs_commit_teacher_and_steps(tmp_path: Path) -> None:
+    out = tmp_path / "claims"
+    _arm(out, "sst2", "tb", [80.0] * 6)
+    first, second = list(csv.DictReader(io.StringIO(claims.runs_csv(claims.measured_runs(out)))))[:2]
+    assert (first["commit"], first["teacher"], first["steps"]) == ("abc123", "teacher-sst2", "189/63")
+    assert second["commit"] == "abc123+dirty"  # run from a checkout with uncommitted changes
+    recorded = tmp_path / "runs.csv"
+    recorded.write_text(claims.runs_csv(claims.measured_runs(out)))
+    again = claims.recorded_runs(recorded)[("sst2", "tb")][1]
+    assert (again.commit, again.teacher, again.steps) == ("abc123", "teacher-sst2", "189/63")
+
+
+def test_the_recorded_study_csv_has_provenance_for_every_run() -> None:
+    rows = list(csv.DictReader(open(Path(__file__).parent.parent / "docs" / "data" / "claims_runs.csv")))
+    assert rows and all(r["commit"] and r["teacher"] and r["steps"] for r in rows)
+    for r in rows:  # the steps: 3 epochs of ceil(2000 / 32) = 63 batches per stage unless the arm says otherwise
+        n = 1000 if "task.max_train_samples=1000" in r["overrides"] else 2000
+        epochs = 9 if "train.epochs=9" in r["overrides"] else 3
+        assert set(r["steps"].split("/")) == {str(epochs * -(-n // 32))}, r

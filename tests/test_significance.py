@@ -76,3 +76,15 @@ def test_joint_mde_without_a_reachable_sign_flip_level() -> None:
     assert joint_mde(5, 1.0) == math.inf  # smallest sign-flip p with 5 pairs: 2/32 = 0.0625
     assert joint_mde(1, 1.0) is None and joint_mde(17, 1.0) is None
     assert min_detectable_effect(10, 1.0) < joint_mde(10, 1.0, draws=20_000) < joint_mde(6, 1.0)
+
+
+def test_above_p_is_scipys_one_sided_one_sample_t_test() -> None:
+    from scipy import stats
+
+    from kdrun.report.significance import above_p
+
+    x = [1.0, -1.0, 2.0, -2.0, 0.5, 3.0]
+    assert above_p(x, 0.0) == pytest.approx(stats.ttest_1samp(x, 0.0, alternative="greater").pvalue, rel=1e-9)
+    # by hand: mean 0.5833, sd 1.8552, t = 0.5833 / (1.8552 / √6) = 0.7702, 5 df: p = 0.238
+    assert above_p(x, 0.0) == pytest.approx(0.238, abs=1e-3)
+    assert above_p([5.0] * 4, 1.0) == 0.0 and above_p([1.0] * 4, 1.0) == 1.0 and above_p([3.0], 0.0) is None

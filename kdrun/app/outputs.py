@@ -138,6 +138,7 @@ def _summary(session: Session, data: RunData, models: Models, state, final_metri
         "config_hash": session.config_hash,
         "versions": main_versions(),
         "git_sha": (git_commit() or {}).get("commit"),
+        "git_dirty": (git_commit() or {}).get("dirty"),
         "device": str(session.accelerator.device),
         "processes": session.accelerator.num_processes,
         "precision": session.accelerator.precision.name,

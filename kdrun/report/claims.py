@@ -28,7 +28,7 @@ from pathlib import Path
 
 from kdrun.report.claims_plan import ARMS, CLAIMS, NOT_TESTABLE, Claim, Row, glue_cpu_seed_rows, run_cpu_seconds, steps
 from kdrun.report.results import RunRecord, collect
-from kdrun.report.significance import bh_qvalues, joint_mde, paired_t_p, sign_flip_p, tost_p
+from kdrun.report.significance import above_p, bh_qvalues, joint_mde, paired_t_p, sign_flip_p, tost_p
 from kdrun.runtime.cache import write_text_atomic
 
 MIN_SEEDS = 6
@@ -36,6 +36,14 @@ ALPHA = 0.05
 EQUIVALENCE_MARGIN = 1.0  # "=" rows: equivalent when the difference lies within ±1 point (x100)
 SAME_WEIGHTS = 0.05  # "the same values": final weights of the two initialisations within this, every seed
 PRECISION_NAMES = {"no": "fp32"}  # train.precision=no: no mixed precision
+# The dev score (x100) of a predictor that ignores its input: MCC and Pearson are 0 (undefined for a
+# constant prediction, taken as no correlation); accuracy is the majority class's share (SST-2 dev: 444
+# of 872 positive; MRPC dev: 279 of 408).
+CONSTANT_SCORE = {"cola": 0.0, "stsb": 0.0, "sst2": 100 * 444 / 872, "mrpc": 100 * 279 / 408}
+COLLAPSED_SEE = "see Collapsed arms"
+COLLAPSE_MARGIN = 5.0  # points (x100): five times the equivalence margin
+COLLAPSE_RULE = ("an arm's mean within noise of a constant predictor, or below the same student fine-tuned on "
+                 f"the labels by more than the MDE of that paired comparison and more than {COLLAPSE_MARGIN:g} points")
 START, END = "<!-- claims table: start -->", "<!-- claims table: end -->"
 
 __all__ = ["ARMS", "CLAIMS", "Claim", "Row", "Stats", "Measured", "measured_runs", "recorded_runs", "load_arms",
@@ -48,7 +56,7 @@ __all__ = ["ARMS", "CLAIMS", "Claim", "Row", "Stats", "Measured", "measured_runs
 # ------------------------------------------------------------------------------------- reading runs
 
 CSV_FIELDS = ("task", "arm", "objective", "overrides", "seed", "lr", "lambda_ckd", "metric", "dev", "device",
-              "precision", "threads", "run_seconds", "map_weights")
+              "precision", "threads", "run_seconds", "map_weights", "commit", "teacher", "steps")
 
 
 @dataclass(frozen=True)
@@ -69,13 +77,20 @@ class Measured:
     threads: str = ""
     run_seconds: float = 0.0
     weights: tuple[tuple[str, float], ...] = ()  # a learnable map's final weights, sorted by key
+    # provenance: kdrun's commit (results.json's git_sha; "recorded:<sha>" for the runs made before it
+    # was kept: the commit that first recorded the row), the teacher's cache key (or, for those runs,
+    # its settings), and the optimizer steps of each stage ("189/189")
+    commit: str = ""
+    teacher: str = ""
+    steps: str = ""
 
     def csv_row(self) -> list[str]:
         spec = ARMS.get(self.arm)
         return [self.task, self.arm, self.objective, " ".join(spec.overrides) if spec else "", str(self.seed),
                 self.lr, self.lambda_ckd, self.metric, repr(self.dev), self.device, self.precision,
                 self.threads, str(round(self.run_seconds, 1)),
-                json.dumps(dict(self.weights), sort_keys=True) if self.weights else ""]
+                json.dumps(dict(self.weights), sort_keys=True) if self.weights else "",
+                self.commit, self.teacher, self.steps]
 
 
 def from_run(task: str, arm: str, r: RunRecord) -> Measured:
@@ -84,14 +99,17 @@ def from_run(task: str, arm: str, r: RunRecord) -> Measured:
     return Measured(task, arm, r.seed, r.objective, 100.0 * r.value, r.metric, "" if lr is None else str(lr),
                     "" if lam is None else str(lam), res.get("device", ""), res.get("precision", ""),
                     "auto" if threads is None else str(threads), (res.get("timings") or {}).get("total_s", 0.0),
-                    tuple(sorted(final_map_weights(r.path).items())))
+                    tuple(sorted(final_map_weights(r.path).items())), (res.get("git_sha") or "") + ("+dirty" if res.get("git_dirty") else ""),
+                    (res.get("teacher") or {}).get("key", ""),
+                    "/".join(str(st.get("steps", "")) for st in res.get("stages", [])))
 
 
 def from_csv_row(row: dict[str, str]) -> Measured:
     weights = json.loads(row["map_weights"]) if row.get("map_weights") else {}
     return Measured(row["task"], row["arm"], int(row["seed"]), row["objective"], float(row["dev"]), row["metric"],
                     row["lr"], row["lambda_ckd"], row["device"], row["precision"], row.get("threads", ""),
-                    float(row["run_seconds"] or 0.0), tuple(sorted(weights.items())))
+                    float(row["run_seconds"] or 0.0), tuple(sorted(weights.items())), row.get("commit", ""),
+                    row.get("teacher", ""), row.get("steps", ""))
 
 
 def load_arms(out: Path) -> dict[tuple[str, str], dict[int, RunRecord]]:
@@ -150,6 +168,55 @@ def side(values: dict[tuple[str, str], dict[int, float]], task: str, spec: str) 
     return {s: x[s] - y[s] for s in sorted(set(x) & set(y))}
 
 
+# ------------------------------------------------------------------------------------ collapsed arms
+
+def control_of(arm: str) -> str:
+    """The same student fine-tuned on the labels: ``finetune_l2`` for an arm of 2-layer students,
+    else ``finetune`` (the objective of the GLUE study's runs, and the recipe's 3-layer control)."""
+    spec = ARMS.get(arm)
+    return "finetune_l2" if spec is not None and "student.num_layers=2" in spec.overrides else "finetune"
+
+
+def collapse_reason(values: dict[tuple[str, str], dict[int, float]], task: str, arm: str) -> str | None:
+    """Why ``arm`` did not learn on ``task``, or None: its mean lies within noise of a constant
+    predictor (a one-sided t-test does not put it above CONSTANT_SCORE at ALPHA), or below the same
+    student fine-tuned on the labels (control_of) by more than the MDE of that paired comparison and
+    more than COLLAPSE_MARGIN (a student a little worse than its control has learnt; it is not collapsed)."""
+    own = values.get((task, arm), {})
+    if len(own) < MIN_SEEDS or arm == control_of(arm):
+        return None
+    x = list(own.values())
+    mean, sd = statistics.fmean(x), statistics.stdev(x)
+    floor = CONSTANT_SCORE.get(task)
+    if floor is not None:
+        p = above_p(x, floor)
+        if p is None or p >= ALPHA:
+            return (f"{mean:.1f} ± {sd:.1f}, within noise of a constant predictor ({floor:.1f}; one-sided "
+                    f"t-test p {_f(p, '.2g')})")
+    control = values.get((task, control_of(arm)), {})
+    if len(control) >= MIN_SEEDS:
+        st = row_stats(own, control)
+        if st.mean is not None and st.mde is not None and st.mean < -max(st.mde, COLLAPSE_MARGIN):
+            return (f"{mean:.1f} ± {sd:.1f}, below `{control_of(arm)}` ({statistics.fmean(control.values()):.1f}) "
+                    f"by {-st.mean:.1f} ± {_f(st.sd, '.1f')}, more than the MDE {st.mde:.2f}")
+    return None
+
+
+def collapsed_arms(values, theirs) -> dict[tuple[str, str, str], str]:
+    """{(source, task, arm): reason} for every arm of a row that collapsed (collapse_reason), read
+    from the recipe's runs or, for the rows the GLUE study answers, from its runs."""
+    out = {}
+    for c in CLAIMS:
+        vals = theirs if c.source == "glue_cpu" else values
+        for task in c.tasks:
+            for r in (r for r in c.rows if r.expect != "weights" and (not r.tasks or task in r.tasks)):
+                for arm in r.arms():
+                    why = collapse_reason(vals, task, arm)
+                    if why:
+                        out[(c.source, task, arm)] = why
+    return out
+
+
 # ------------------------------------------------------------------------------------- statistics
 
 @dataclass
@@ -183,10 +250,13 @@ def _f(x: float | None, fmt: str = ".2f") -> str:
     return "—" if x is None else format(x, fmt)
 
 
-def verdict(row: Row, st: Stats, task: str = "", why: str = "") -> str:
-    """reproduced / not reproduced (and the measured reason) / not run yet, from the row's stats."""
+def verdict(row: Row, st: Stats, task: str = "", why: str = "", collapsed: tuple[str, ...] = ()) -> str:
+    """reproduced / not reproduced (and the measured reason) / not run yet, from the row's stats;
+    "not informative" when an arm of either side ``collapsed`` (it did not learn: collapse_reason)."""
     if st.n < MIN_SEEDS:
         return "not run yet" if st.n == 0 else f"not run yet ({st.n} of {MIN_SEEDS} seeds)"
+    if collapsed:
+        return f"not informative: {', '.join(f'`{a}`' for a in collapsed)} collapsed ({COLLAPSED_SEE})"
     sig = sum(p is not None and p < ALPHA for p in (st.p_flip, st.p_t))
     if row.expect == "=":
         return _equivalence_verdict(st, sig)
@@ -282,7 +352,9 @@ def rows_of(runs: Runs, glue_cpu_csv: Path) -> list[dict[str, str]]:
     tested = [st for *_, st in found if st is not None and st.n >= MIN_SEEDS and st.p_t is not None]
     for st, q in zip(tested, bh_qvalues([st.p_t for st in tested])):
         st.q = q
-    return [_table_row(c, task, r, runs, st) for c, task, r, st in found]
+    down = collapsed_arms(mine, theirs)
+    return [_table_row(c, task, r, runs, st, tuple(a for a in dict.fromkeys(r.arms()) if (c.source, task, a) in down))
+            for c, task, r, st in found]
 
 
 def _stats(r: Row, task: str, values) -> Stats | None:
@@ -293,7 +365,8 @@ def _stats(r: Row, task: str, values) -> Stats | None:
     return row_stats(side(values, task, r.a), side(values, task, r.b), margin)
 
 
-def _table_row(c: Claim, task: str, r: Row, runs: Runs, st: Stats | None) -> dict[str, str]:
+def _table_row(c: Claim, task: str, r: Row, runs: Runs, st: Stats | None,
+               collapsed: tuple[str, ...] = ()) -> dict[str, str]:
     base = {"claim": c.key, "paper": c.paper, "task": task, "a": r.a, "b": r.b, "expect": r.expect,
             "paper_numbers": r.paper, "source": c.source}
     if st is None:
@@ -305,7 +378,7 @@ def _table_row(c: Claim, task: str, r: Row, runs: Runs, st: Stats | None) -> dic
     tost = "" if st.margin is None else f"±{st.margin:.2f}: p {_f(st.p_tost, '.3g')}"
     return {**base, "n": str(st.n), "mean": _f(st.mean), "sd": _f(st.sd), "p_flip": _f(st.p_flip, ".3g"),
             "p_t": _f(st.p_t, ".3g"), "q": _f(st.q, ".3g"), "mde": _f(st.mde), "tost": tost,
-            "measured": measured, "verdict": verdict(r, st, task, c.why)}
+            "measured": measured, "verdict": verdict(r, st, task, c.why, collapsed)}
 
 
 def markdown_table(rows: list[dict[str, str]]) -> str:
@@ -320,7 +393,7 @@ def markdown_table(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
-KINDS = (("reproduced: equivalent", "equivalent"), ("reproduced", "reproduced"), ("inconclusive", "inconclusive"),
+KINDS = (("not informative", "not informative"), ("reproduced: equivalent", "equivalent"), ("reproduced", "reproduced"), ("inconclusive", "inconclusive"),
          ("not reproduced: reversed (", "reversed (both tests)"),
          ("not reproduced: reversed in one", "one of two tests only"),
          ("not reproduced: in one", "one of two tests only"),
@@ -339,17 +412,30 @@ def verdict_summary(rows: list[dict[str, str]]) -> str:
     """One paragraph: the rows per verdict and reason, and those whose q-value is below ALPHA."""
     kinds = [verdict_kind(r["verdict"]) for r in rows]
     count = {k: kinds.count(k) for k in dict.fromkeys(label for _, label in KINDS)}
-    failed = [k for k in count if count[k] and k not in ("equivalent", "reproduced", "inconclusive", "not run yet")]
+    apart = ("equivalent", "reproduced", "inconclusive", "not informative", "not run yet")
+    failed = [k for k in count if count[k] and k not in apart]
     tested = [(r, k) for r, k in zip(rows, kinds) if r["q"] not in ("", "—")]
     survive = [k for r, k in tested if float(r["q"]) < ALPHA]
     by = ", ".join(f"{survive.count(k)} {k}" for k in dict.fromkeys(survive))
     return (f"**Verdicts:** {len(rows)} rows; {count['reproduced']} reproduced in the paper's direction, "
             f"{count['equivalent']} equivalent (the paper's \"no difference\", within ±{EQUIVALENCE_MARGIN:.2f}), "
-            f"{count['inconclusive']} inconclusive, {sum(count[k] for k in failed)} not reproduced"
+            f"{count['inconclusive']} inconclusive, {count['not informative']} not informative (an arm "
+            f"collapsed), {sum(count[k] for k in failed)} not reproduced"
             + (" (" + "; ".join(f"{k}: {count[k]}" for k in failed) + ")" if failed else "")
             + (f", {count['not run yet']} not run yet" if count["not run yet"] else "")
             + f". Benjamini–Hochberg over the {len(tested)} rows' t-test p-values: {len(survive)} have q < {ALPHA:g}"
             + (f" ({by})." if survive else "."))
+
+
+def collapsed_table(runs: Runs, glue_cpu_csv: Path) -> str:
+    """Every arm of a row that collapsed (collapse_reason), with its measured reason."""
+    down = collapsed_arms(values_of(runs), glue_cpu_values(glue_cpu_csv))
+    if not down:
+        return "No arm of a row collapsed."
+    lines = ["| task | arm | runs of | why it is counted as collapsed |", "|---|---|---|---|"]
+    lines += [f"| {task} | `{arm}` | {'glue_cpu study' if src == 'glue_cpu' else 'claims recipe'} | {why} |"
+              for (src, task, arm), why in sorted(down.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0]))]
+    return "\n".join(lines)
 
 
 def arms_table(tasks: tuple[str, ...] = ("cola", "sst2", "stsb")) -> str:
@@ -450,6 +536,7 @@ def write_report(out: Path, glue_cpu_csv: Path, docs: Path | None = None, runs_p
     rows = rows_of(runs, glue_cpu_csv)
     table = markdown_table(rows)
     block = (f"{cost_summary(runs, out)}\n\n{verdict_summary(rows)}\n\n{table}\n\n"
+             f"**Collapsed arms** (the rule: {COLLAPSE_RULE}):\n\n{collapsed_table(runs, glue_cpu_csv)}\n\n"
              f"**Every arm's dev score** (main metric x100, mean ± sd over its seeds):\n\n{arm_scores_table(runs)}\n\n"
              f"**The arms** (each on `experiment=glue_cpu`, seeds 1–6):\n\n{arms_table()}\n\n"
              f"**Not testable offline:**\n\n{not_testable_table()}\n\n"

@@ -360,6 +360,20 @@ def tost_p(diffs: list[float], margin: float) -> float | None:
     return float(max(p_lower, p_upper))
 
 
+def above_p(values: list[float], bound: float) -> float | None:
+    """One-sided one-sample t-test p of "the mean exceeds ``bound``" (H0: mean ≤ bound); None with
+    fewer than 2 values; 0 or 1 when the values have no spread (all above the bound, or not)."""
+    from scipy import stats
+
+    n = len(values)
+    if n < 2:
+        return None
+    if statistics.stdev(values) == 0:
+        return 0.0 if values[0] > bound else 1.0
+    t = (statistics.fmean(values) - bound) / (statistics.stdev(values) / math.sqrt(n))
+    return float(stats.t.sf(t, n - 1))
+
+
 def bh_qvalues(pvalues: list[float]) -> list[float]:
     """Benjamini–Hochberg (1995) q-values, in the order given: q_(i) = min over j ≥ i of
     m · p_(j) / j (p sorted ascending), at most 1. A hypothesis survives FDR q* when its q < q*."""
