@@ -186,7 +186,7 @@ def test_q_values_over_every_measured_row(tmp_path: Path) -> None:
     summary = claims.verdict_summary(list(rows.values()))
     assert summary.startswith(f"**Verdicts:** {len(rows)} rows; 2 reproduced in the paper's direction, 1 equivalent")
     assert ("1 inconclusive, 0 not informative (an arm collapsed), 2 not reproduced (one of two tests only: 1; "
-            "a difference where the paper finds none: 1), 88 not run yet.") in summary  # ALP against PKD: all +1, no spread, no t-test
+            "a difference where the paper finds none: 1), 88 not run yet.") in summary  # ALP vs PKD: +1 each, no t-test
     assert summary.endswith("over the 5 rows' t-test p-values: 3 have q < 0.05 (2 reproduced, 1 a difference "
                             "where the paper finds none).")
 

@@ -99,9 +99,14 @@ def from_run(task: str, arm: str, r: RunRecord) -> Measured:
     return Measured(task, arm, r.seed, r.objective, 100.0 * r.value, r.metric, "" if lr is None else str(lr),
                     "" if lam is None else str(lam), res.get("device", ""), res.get("precision", ""),
                     "auto" if threads is None else str(threads), (res.get("timings") or {}).get("total_s", 0.0),
-                    tuple(sorted(final_map_weights(r.path).items())), (res.get("git_sha") or "") + ("+dirty" if res.get("git_dirty") else ""),
-                    (res.get("teacher") or {}).get("key", ""),
-                    "/".join(str(st.get("steps", "")) for st in res.get("stages", [])))
+                    tuple(sorted(final_map_weights(r.path).items())), *provenance(res))
+
+
+def provenance(res: dict) -> tuple[str, str, str]:
+    """(commit, teacher key, steps per stage) of a run from its results.json."""
+    commit = (res.get("git_sha") or "") + ("+dirty" if res.get("git_dirty") else "")
+    steps = "/".join(str(st.get("steps", "")) for st in res.get("stages", []))
+    return commit, (res.get("teacher") or {}).get("key", ""), steps
 
 
 def from_csv_row(row: dict[str, str]) -> Measured:
@@ -393,7 +398,8 @@ def markdown_table(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
-KINDS = (("not informative", "not informative"), ("reproduced: equivalent", "equivalent"), ("reproduced", "reproduced"), ("inconclusive", "inconclusive"),
+KINDS = (("not informative", "not informative"),
+         ("reproduced: equivalent", "equivalent"), ("reproduced", "reproduced"), ("inconclusive", "inconclusive"),
          ("not reproduced: reversed (", "reversed (both tests)"),
          ("not reproduced: reversed in one", "one of two tests only"),
          ("not reproduced: in one", "one of two tests only"),
