@@ -375,7 +375,8 @@ def test_a_collapsed_arm_makes_its_rows_not_informative(tmp_path: Path) -> None:
     _arm(out, "stsb", "alp", [1.0, -1.0, 2.0, -2.0, 0.5, -0.5], "pearson")  # a constant predictor's Pearson
     _arm(out, "stsb", "pkd", [70.0, 71.0, 72.0, 70.5, 71.5, 70.0], "pearson")
     rows = _rows(out, tmp_path / "absent.csv")
-    assert rows[(key, "stsb", "alp_l2", "pkd_l2")]["verdict"] == "not informative: `pkd_l2` collapsed (see Collapsed arms)"
+    verdict = rows[(key, "stsb", "alp_l2", "pkd_l2")]["verdict"]
+    assert verdict == "not informative: `pkd_l2` collapsed (see Collapsed arms)"
     assert rows[(key, "stsb", "alp", "pkd")]["verdict"] == "not informative: `alp` collapsed (see Collapsed arms)"
     gap = rows[(key, "stsb", "alp_l2-pkd_l2", "alp-pkd")]["verdict"]
     assert gap == "not informative: `alp_l2`, `pkd_l2`, `alp` collapsed (see Collapsed arms)" or "`pkd_l2`" in gap
@@ -384,7 +385,8 @@ def test_a_collapsed_arm_makes_its_rows_not_informative(tmp_path: Path) -> None:
     why = claims.collapse_reason(values, "stsb", "pkd_l2")
     # pkd_l2 − finetune_l2 per seed: −20, −17, −23, −17, −28, −20: mean −20.83, sd 4.17; MDE 1.80 · 4.17 = 7.51
     assert why == "20.2 ± 3.4, below `finetune_l2` (41.0) by 20.8 ± 4.2, more than the MDE 7.51"
-    assert claims.collapse_reason(values, "stsb", "alp").startswith("0.0 ± 1.4, within noise of a constant predictor (0.0")
+    assert claims.collapse_reason(values, "stsb", "alp").startswith(
+        "0.0 ± 1.4, within noise of a constant predictor (0.0")
     assert claims.control_of("pkd_l2") == "finetune_l2" and claims.control_of("tb") == "finetune"
     table = claims.collapsed_table(claims.measured_runs(out), tmp_path / "absent.csv")
     assert "| stsb | `pkd_l2` | claims recipe | 20.2 ± 3.4, below `finetune_l2`" in table and "`alp_l2`" not in table
