@@ -53,8 +53,9 @@ def task_objectives() -> list[str]:
 
 
 def load_script(name: str) -> ModuleType:
-    """Import ``scripts/<name>.py`` (the scripts directory is no package) to test its functions."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    """Import ``scripts/<name>.py`` (``name`` e.g. ``bench/store``; the scripts directory is no
+    package) to test its functions."""
+    spec = importlib.util.spec_from_file_location(name.replace("/", "_"), REPO / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -429,7 +429,7 @@ def test_bench_flop_count_matches_torch_flop_counter():
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import BertConfig, BertForMaskedLM
 
-    bench = load_script("bench_augment")
+    bench = load_script("bench/augment")
     hidden, layers, inter, vocab, length = 48, 3, 96, 211, 13
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,

@@ -529,7 +529,7 @@ def test_ckd_run_logs_each_term(tmp_path: Path, shared_cache: Path) -> None:
     assert {f"train/{t}" for t in TERMS} | {"train/ce", "train/logit_kd"} <= keys
     assert [list(p) for p in out["layer_pairs"]] == [[0, 0], [1, 2], [2, 4]]
     # the relations picture from the saved student and teacher
-    plot = load_script("plot_relations")
+    plot = load_script("plots/relations")
     png = plot.main(["--student", str(tmp_path / "a" / "student"), "--teacher", out["teacher"]["path"],
                      "--sentence", "the film is good and the plot is fine", "--out", str(tmp_path / "rel.png")])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

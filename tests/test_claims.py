@@ -24,7 +24,7 @@ SEEDS = (1, 2, 3, 4, 5, 6)
 
 def _dry_run(capsys, glue: Path) -> dict[tuple[str, str], list[str]]:
     """{(task, arm): the overrides of its seeds multirun}, and the grid runs under ("grid", ...)."""
-    script = load_script("reproduce_glue")
+    script = load_script("study/reproduce_glue")
     assert script.main(["--glue", str(glue), "--recipe", "claims", "--dry-run"]) == 0
     runs = {}
     for line in capsys.readouterr().out.splitlines():
@@ -267,7 +267,7 @@ def test_cpu_estimate_and_order() -> None:
 
 
 def test_jobs_pack_each_arms_seeds_with_fixed_threads_after_warming_the_teacher(capsys, tmp_path: Path) -> None:
-    script = load_script("reproduce_glue")
+    script = load_script("study/reproduce_glue")
     argv = ["--glue", str(tmp_path / "glue"), "--recipe", "claims", "--tasks", "stsb", "--dry-run"]
     assert script.main([*argv, "--jobs", "2"]) == 0
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("$ kdrun")]
@@ -290,7 +290,7 @@ def test_wall_time_log_keeps_one_entry_per_invocation(tmp_path: Path) -> None:
     import argparse
     import time
 
-    script = load_script("reproduce_glue")
+    script = load_script("study/reproduce_glue")
     args = argparse.Namespace(tasks="stsb", jobs=2)
     first, second = time.time() - 100, time.time() - 10
     script.log_wall_time(tmp_path, first, args)
@@ -306,7 +306,7 @@ def test_claims_option_runs_only_the_named_claims(capsys, tmp_path: Path) -> Non
     assert {c for c, _, _ in ckd_alp} == {"CKD: components", "CKD: pair and angle", "ALP: smaller students"}
     assert [s for s in claims_plan.steps(["stsb"]) if s[0] in {c for c, _, _ in ckd_alp}] == ckd_alp
     assert claims_plan.steps(["stsb"], ["nothing like it"]) == []
-    script = load_script("reproduce_glue")
+    script = load_script("study/reproduce_glue")
     assert script.main(["--glue", str(tmp_path), "--recipe", "claims", "--tasks", "cola",
                         "--claims", "tinybert study: kl", "--dry-run"]) == 0
     out = capsys.readouterr().out
@@ -343,7 +343,7 @@ def test_the_recorded_csv_keeps_the_rows_of_runs_made_elsewhere(tmp_path: Path) 
 
 
 def test_the_recipe_skips_arms_the_csv_records_but_its_dry_run_lists_them(capsys, tmp_path: Path, monkeypatch) -> None:
-    script = load_script("reproduce_glue")
+    script = load_script("study/reproduce_glue")
     recorded = tmp_path / "claims_runs.csv"
     recorded.write_text(",".join(claims.CSV_FIELDS) + "\n" + "".join(
         f"stsb,ckd_no_wr,ckd,,{s},0.0003,0.1,pearson,76.0,cpu,no,1,110.0,\n" for s in SEEDS))

@@ -1,5 +1,5 @@
 """Cluster-grade runs: a signal during teacher fine-tuning resumes it exactly (locally and under a
-real SLURM), and, on a real one-node SLURM started by scripts/slurm_localhost.sh, job arrays,
+real SLURM), and, on a real one-node SLURM started by scripts/setup/slurm_localhost.sh, job arrays,
 preemption with requeue and two-task data-parallel jobs (tests marked ``slurm``). Each SLURM test
 ends with its jobs cancelled and gone from squeue and none of its processes left (job steps,
 batch scripts, srun, tasks); the module ends with the daemons it started stopped."""
@@ -156,7 +156,7 @@ def test_num_threads_is_no_part_of_a_runs_identity(run_cfg, tmp_path: Path) -> N
 
 # ------------------------------------------------------------------------- a real one-node SLURM
 
-SLURM_SCRIPT = REPO / "scripts" / "slurm_localhost.sh"
+SLURM_SCRIPT = REPO / "scripts" / "setup" / "slurm_localhost.sh"
 SLURM_JOB = ["launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.mem_gb=1",
              "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=20", "hydra.launcher.signal_delay_s=10"]
 

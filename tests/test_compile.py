@@ -3,7 +3,7 @@ the objective's loss (kdrun.engine.compiled.forward_loss) -- runs as one torch.c
 break for any objective family, one compilation per batch width (train.pad_to_multiple_of), and the
 same numbers as eager. kdrun's feature hooks (Q/K/V capture) are registered once, before tracing.
 The ``eager`` / ``aot_eager`` backends keep the arithmetic; inductor needs a C++ compiler and is the
-default for users (its figures: scripts/bench_compile.py)."""
+default for users (its figures: scripts/bench/compile.py)."""
 
 from __future__ import annotations
 
@@ -229,7 +229,7 @@ def test_more_widths_than_dynamos_default_limit_each_get_a_graph(objectives) -> 
 def test_the_angle_kernel_compiles_with_its_gradients(window) -> None:
     """The angle kernel (kdrun::angle_sum) is one operator to torch.compile: the compiled loss and its
     gradient equal eager's. (Traced as an autograd.Function, torch 2.11 lost its gradient: zero under
-    compile; scripts/check_stack.sh runs this on that stack.)"""
+    compile; scripts/checks/stack.sh runs this on that stack.)"""
     from kdrun.losses.relations import angle_loss
 
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """kdrun-doctor on a CPU-only machine (one --quick run shared by the tests below), its exit status
-and JSON writing, and scripts/bench_engine.py --fast."""
+and JSON writing, and scripts/bench/engine.py --fast."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def test_fixed_batch_spans_stay_inside_each_row() -> None:
 
 def test_bench_engine_fast_prints_the_ratios(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_engine.py"), "--fast", "--json", str(out)],
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "engine.py"), "--fast", "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for prec in ("fp32", "bf16"):

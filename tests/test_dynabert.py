@@ -424,7 +424,7 @@ def test_cli_run_prints_the_table_and_exports(tmp_path: Path) -> None:
     assert export_main([str(run_dir), "width=0.5", "depth=0.6", str(out)]) == 2  # not DynaBERT's rule
 
     # the comparison script: one table with a column per run, one plot
-    script = load_script("plot_dynabert")
+    script = load_script("plots/dynabert")
     runs = script.load([f"a={run_dir}", f"b={run_dir}"])
     md = script.table(runs, markdown=True).splitlines()
     assert len(md) == 2 + len(rows) and "a accuracy" in md[0] and "b f1" in md[0]

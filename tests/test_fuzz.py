@@ -26,7 +26,7 @@ from tests.conftest import load_script
 def test_fuzz_kill_fast(tmp_path: Path, sig: str, runs: int) -> None:
     buf = io.StringIO()
     with redirect_stdout(buf):
-        rc = load_script("fuzz_kill").main(["--fast", "--runs", str(runs), "--signal", sig, "--seed", "1",
+        rc = load_script("fuzz/kill").main(["--fast", "--runs", str(runs), "--signal", sig, "--seed", "1",
                                             "--out", str(tmp_path)])
     res = json.loads((tmp_path / "fuzz_kill.json").read_text())
     assert rc == 0 and res["passed"] == res["counted"] == runs and not res["failures"], buf.getvalue()
@@ -38,7 +38,7 @@ def test_fuzz_kill_ddp_rank_fast(tmp_path: Path) -> None:
     """Two processes under torchrun; SIGKILL to rank 1 alone; one restart ends identically."""
     buf = io.StringIO()
     with redirect_stdout(buf):
-        rc = load_script("fuzz_kill").main(["--fast", "--ddp", "--runs", "1", "--seed", "4", "--out", str(tmp_path)])
+        rc = load_script("fuzz/kill").main(["--fast", "--ddp", "--runs", "1", "--seed", "4", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "fuzz_kill.json").read_text())
     assert rc == 0 and res["passed"] == res["counted"] == 1 and res["ddp"], buf.getvalue()
 
@@ -49,7 +49,7 @@ def test_fuzz_kill_wandb_fast(tmp_path: Path) -> None:
     and its restart's are one wandb run (the id in wandb_id.txt) holding every step once."""
     buf = io.StringIO()
     with redirect_stdout(buf):
-        rc = load_script("fuzz_kill").main(["--fast", "--logger", "wandb", "--signal", "TERM", "--runs", "1",
+        rc = load_script("fuzz/kill").main(["--fast", "--logger", "wandb", "--signal", "TERM", "--runs", "1",
                                             "--events", "student step 3,student step 6", "--seed", "1",
                                             "--out", str(tmp_path)])
     res = json.loads((tmp_path / "fuzz_kill.json").read_text())
@@ -67,7 +67,7 @@ def test_fuzz_kill_wandb_after_a_checkpoint_or_in_the_teacher_fast(tmp_path: Pat
     restart keeps the wandb run id though no student checkpoint exists): one wandb run, every step once."""
     buf = io.StringIO()
     with redirect_stdout(buf):
-        rc = load_script("fuzz_kill").main(["--fast", "--logger", "wandb", "--signal", signal, "--runs", "1",
+        rc = load_script("fuzz/kill").main(["--fast", "--logger", "wandb", "--signal", signal, "--runs", "1",
                                             "--at", "event", "--events", event, "--out", str(tmp_path)])
     res = json.loads((tmp_path / "fuzz_kill.json").read_text())
     assert rc == 0 and res["passed"] == res["counted"] == 1, buf.getvalue()
@@ -75,7 +75,7 @@ def test_fuzz_kill_wandb_after_a_checkpoint_or_in_the_teacher_fast(tmp_path: Pat
 
 def test_fuzz_kill_judges_the_restart() -> None:
     """A run passes only when its one restart resumed from the checkpoint on disk (or later)."""
-    fk = load_script("fuzz_kill")
+    fk = load_script("fuzz/kill")
     saved = {"student": 6, "teacher": None}
     ok = "[kdrun] resuming at stage 1 step 6 from /r/checkpoints/last\n"
     assert fk.resume_problems(saved, ok) == []
@@ -92,7 +92,7 @@ def test_fuzz_kill_judges_the_restart() -> None:
 
 
 def test_fuzz_kill_reads_a_checkpoint_left_by_a_cut_swap(tmp_path: Path) -> None:
-    fk = load_script("fuzz_kill")
+    fk = load_script("fuzz/kill")
     (tmp_path / "run" / "checkpoints" / "last.old").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "last.old" / "state.json").write_text('{"global_step": 9}')
     partial = tmp_path / "cache" / "teachers" / ".k.partial" / "checkpoints" / "last"
@@ -107,7 +107,7 @@ def test_fuzz_kill_comparison_sees_a_difference(tmp_path: Path) -> None:
     """The comparison the count rests on: a changed weight or metric is reported, timings are not."""
     import torch
 
-    fk = load_script("fuzz_kill")
+    fk = load_script("fuzz/kill")
     a = {"weights": {"w": torch.zeros(2)}, "metrics": {"student": 0.5}, "log": [{"train/loss": 1.0}]}
     assert fk.same(a, a) == []
     b = {**a, "weights": {"w": torch.tensor([0.0, 1e-7])}}
@@ -121,7 +121,7 @@ def test_fuzz_damage_fast(tmp_path: Path) -> None:
     files of a stopped run's wandb offline directory."""
     buf = io.StringIO()
     with redirect_stdout(buf):
-        rc = load_script("fuzz_damage").main(["--fast", "--per-scenario", "2", "--seed", "3", "--out", str(tmp_path)])
+        rc = load_script("fuzz/damage").main(["--fast", "--per-scenario", "2", "--seed", "3", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "fuzz_damage.json").read_text())
     assert rc == 0, buf.getvalue()
     assert {t["scenario"] for t in res["trials"]} == {"task", "partial", "augment", "spans", "corpus", "wandb"}
@@ -131,7 +131,7 @@ def test_fuzz_damage_fast(tmp_path: Path) -> None:
 
 
 def test_fuzz_damage_damages_and_classifies(tmp_path: Path) -> None:
-    fd = load_script("fuzz_damage")
+    fd = load_script("fuzz/damage")
     f = tmp_path / "f.bin"
     f.write_bytes(bytes(range(10)))
     assert fd.damage(f, "flip") and f.read_bytes() == bytes([0, 1, 2, 3, 4, 5 ^ 0xFF, 6, 7, 8, 9])
@@ -188,7 +188,7 @@ def test_fuzz_faults_fast(tmp_path: Path) -> None:
     where the tests may mount one)."""
     buf = io.StringIO()
     with redirect_stdout(buf):
-        rc = load_script("fuzz_faults").main(["--fast", "--seed", "2", "--out", str(tmp_path)])
+        rc = load_script("fuzz/faults").main(["--fast", "--seed", "2", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "fuzz_faults.json").read_text())
     assert rc == 0, buf.getvalue()
     assert res["nan"] == {"handled": 1, "runs": 1} and res["race"] == {"handled": 1, "runs": 1}
@@ -252,7 +252,7 @@ def wandb_log(path: Path, run_id: str | None, rows: list[tuple[int, dict]], pad:
 
 
 def test_fuzz_wandb_log_reader_reads_across_blocks_and_sees_damage(tmp_path: Path) -> None:
-    fk = load_script("fuzz_kill")
+    fk = load_script("fuzz/kill")
     rows = [(s, {"train/loss": json.dumps(s / 7), "train/examples_per_s": "9"}) for s in range(1, 60)]
     log = wandb_log(tmp_path / "run-a.wandb", "a", rows, pad=2000)  # about 120 KiB: 4 blocks
     assert log.stat().st_size > 3 * 32768
@@ -270,7 +270,7 @@ def test_fuzz_wandb_log_reader_reads_across_blocks_and_sees_damage(tmp_path: Pat
 
 
 def test_fuzz_wandb_check_sees_a_gap_a_repeat_a_second_run_and_other_values(tmp_path: Path) -> None:
-    fk = load_script("fuzz_kill")
+    fk = load_script("fuzz/kill")
     a, b, c = ({"train/loss": v} for v in ("0.5", "0.25", "0.125"))
     ref = [(5, a), (10, b), (15, c)]
     run = tmp_path / "run"
@@ -294,7 +294,7 @@ def test_fuzz_wandb_check_sees_a_gap_a_repeat_a_second_run_and_other_values(tmp_
 
 def test_fuzz_kill_events_are_what_the_run_wrote(tmp_path: Path) -> None:
     """--at event signals on what is on disk or in the log, never on a clock."""
-    fk = load_script("fuzz_kill")
+    fk = load_script("fuzz/kill")
     assert not any(fk.reached(e, tmp_path, "") for e in fk.EVENTS)
     assert fk.reached("stage 0", tmp_path, "[kdrun] stage 0:intermediate ...")
     ckpt = tmp_path / "cache" / "teachers" / ".k.partial" / "checkpoints" / "last"

@@ -120,7 +120,7 @@ def test_grad_shares_leave_training_bit_identical_and_plot(run_cfg, tmp_path: Pa
         if r["stage"] == "intermediate":
             assert r["grad_share/hidden_mse"] == 1.0 and r["grad_cos/hidden_mse"] == pytest.approx(1.0)
 
-    plot = load_script("plot_grad_shares")
+    plot = load_script("plots/grad_shares")
     out = plot.main([str(measured), "--out", str(tmp_path / "plots" / "shares.png")])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in out.parent.iterdir()] == ["shares.png"]  # no temporary file left behind

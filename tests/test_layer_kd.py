@@ -521,7 +521,7 @@ def test_learnable_map_run_logs_theta_checkpoints_it_and_plots(tmp_path: Path, s
     assert last["objective/map/s1/t1"] != pytest.approx(0.5, abs=1e-4)  # θ moved from its uniform start
     saved = load_file(str(run_dir / "checkpoints" / "last" / "objective.safetensors"))
     assert saved["maps.map.phi"].shape == (3, 2)  # rows: embeddings (one choice), (1, 2), (3, 4)
-    written = load_script("plot_maps").main([str(run_dir), "--out", str(tmp_path / "pics")])
+    written = load_script("plots/maps").main([str(run_dir), "--out", str(tmp_path / "pics")])
     assert [p.name for p in written] == ["map_weights.png"]
     assert written[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -530,7 +530,7 @@ def test_alp_run_plots_attention_per_example(tmp_path: Path, shared_cache: Path)
     run_dir = tmp_path / "alp"
     out, lines = _run(run_dir, shared_cache, "objective=alp")
     assert any("objective/map_attention_nolast/s1/t4" in line for line in lines)
-    written = load_script("plot_maps").main([str(run_dir), "--examples", "5"])
+    written = load_script("plots/maps").main([str(run_dir), "--examples", "5"])
     assert sorted(p.name for p in written) == ["alp_attention.png", "map_attention_nolast_weights.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
     assert OmegaConf.create(out["config"]).mapping.name == "uniform"  # the objective chose attention itself

@@ -15,7 +15,7 @@ import torch
 from kdrun.runtime.ops import METADATA, OpCounter, is_metadata
 
 GOAL = 2.0
-# Ops per step at the papers' shape (python scripts/count_ops.py; angle kernel chunked as on a GPU).
+# Ops per step at the papers' shape (python scripts/bench/count_ops.py; angle kernel chunked as on a GPU).
 RECORDED = {"finetune": 239, "logit": 462, "minilm": 514, "tinybert": 626, "mgskd": 809, "ckd": 861,
             "ckd_official": 865}
 BEFORE = {"finetune": 239, "logit": 462, "minilm": 514, "tinybert": 678, "mgskd": 1955, "ckd": 2048,

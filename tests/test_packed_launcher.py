@@ -1,6 +1,6 @@
 """launcher=packed (kdrun/runtime/packing.py): at most ``jobs_at_once`` jobs of a sweep run at a time,
 each its own process, with the same results as one at a time; ``auto`` from the GPU's free memory,
-one-line errors for bad settings, and scripts/bench_packed.py in its fast mode."""
+one-line errors for bad settings, and scripts/bench/packed.py in its fast mode."""
 
 from __future__ import annotations
 

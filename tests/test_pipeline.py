@@ -109,7 +109,7 @@ def test_concurrent_builders_build_once(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ vectorised collation, loaders
 
 # The references: row by row, as kdrun collated before (the collation benchmark's naive side).
-_BENCH = load_script("bench_collate")
+_BENCH = load_script("bench/collate")
 naive_collate, naive_corpus_collate = _BENCH.naive_collate, _BENCH.naive_corpus_collate
 
 
@@ -289,7 +289,7 @@ def test_bench_collate_script_runs_fast() -> None:
     import sys
 
     repo = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "scripts/bench_collate.py", "--fast"], cwd=repo, capture_output=True,
+    r = subprocess.run([sys.executable, "scripts/bench/collate.py", "--fast"], cwd=repo, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     m = re.search(r"^ratio (\d+\.\d+)x", r.stdout, re.M)

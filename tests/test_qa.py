@@ -198,7 +198,7 @@ def test_train_windows_have_no_eval_columns_and_cache(squad_file: Path, tokenize
 # ---------------------------------------------------------------------------------- post-processing
 
 # The double loop over the n-best start and end candidates of one window: the benchmark's naive way.
-naive_best = load_script("bench_qa_postprocess").naive
+naive_best = load_script("bench/qa_postprocess").naive
 
 
 @pytest.mark.parametrize("n_best,max_len", [(3, 4), (20, 30), (40, 2)])
@@ -222,7 +222,7 @@ def test_vectorised_best_spans_equal_a_double_loop(n_best: int, max_len: int) ->
 def test_benchmark_script_agrees_with_the_double_loop() -> None:
     from tests.conftest import load_script
 
-    assert load_script("bench_qa_postprocess").main(["--windows", "16", "--length", "48"]) > 0
+    assert load_script("bench/qa_postprocess").main(["--windows", "16", "--length", "48"]) > 0
 
 
 def test_best_span_over_windows_maps_to_text(squad_file: Path, tokenizer) -> None:

@@ -1,4 +1,4 @@
-"""scripts/reproduce_glue.py end to end with tiny models on the real GLUE files: the grid, the
+"""scripts/study/reproduce_glue.py end to end with tiny models on the real GLUE files: the grid, the
 choice on dev, the seeds at the chosen setting, and the report with p-values and the figure; the
 tasks it covers, its dry run, its default seeds, and the teacher fine-tuned on more rows than its
 students (task.teacher_max_train_samples) and shared by them through the cache."""
@@ -18,7 +18,7 @@ from tests.conftest import GLUE, REPO, TINY, compose, load_script
 
 @pytest.mark.skipif(not (GLUE / "MRPC").exists(), reason="GLUE data absent ($KDRUN_DATA/glue)")
 def test_grid_choice_seeds_and_report(tmp_path: Path) -> None:
-    script = load_script("reproduce_glue")
+    script = load_script("study/reproduce_glue")
     out = tmp_path / "study"
     extra = [*TINY, "task.max_eval_samples=64", f"cache_dir={tmp_path}/cache"]
     rc = script.main(["--glue", str(GLUE), "--out", str(out), "--tasks", "mrpc", "--objectives", "finetune,logit",
@@ -53,7 +53,7 @@ def _fake_run(job: Path, lr: float, lam: float, seed: int) -> None:
 
 
 def test_a_changed_choice_retires_the_other_settings_seed_runs(tmp_path: Path) -> None:
-    script = load_script("reproduce_glue")
+    script = load_script("study/reproduce_glue")
     seeds = tmp_path / "seeds" / "mrpc" / "ckd"
     for i, (lr, lam) in enumerate([(2e-4, 1.0), (2e-4, 1.0), (5e-4, 1.0), (2e-4, 0.1)]):
         _fake_run(seeds / f"job{i}", lr, lam, seed=i)
@@ -63,7 +63,7 @@ def test_a_changed_choice_retires_the_other_settings_seed_runs(tmp_path: Path) -
 
 
 def test_chosen_json_keeps_earlier_invocations(tmp_path: Path) -> None:
-    script = load_script("reproduce_glue")
+    script = load_script("study/reproduce_glue")
     path = tmp_path / "chosen.json"
     first = script.parse_args(["--glue", "g", "--tasks", "mrpc,sst2"])
     path.write_text(json.dumps(script.merged_choices(path, {"mrpc": {"ckd": {"dev": 1}, "logit": {"dev": 2}},
@@ -80,7 +80,7 @@ def test_chosen_json_keeps_earlier_invocations(tmp_path: Path) -> None:
 def test_covers_every_glue_task_kdrun_knows() -> None:
     import yaml
 
-    script = load_script("reproduce_glue")
+    script = load_script("study/reproduce_glue")
     glue = {p.stem for p in (REPO / "conf" / "task").glob("*.yaml")
             if "hub_config" in (yaml.safe_load(p.read_text()) or {})}
     assert set(script.GLUE_DIRS) == glue == {"cola", "sst2", "mrpc", "stsb", "rte", "qnli", "mnli", "qqp", "wnli"}
@@ -95,7 +95,7 @@ def test_covers_every_glue_task_kdrun_knows() -> None:
 def test_default_seeds_allow_a_significant_sign_flip_test() -> None:
     from kdrun.report.significance import min_seeds_for_sign_flip, min_sign_flip_p
 
-    args = load_script("reproduce_glue").parse_args(["--glue", "g"])
+    args = load_script("study/reproduce_glue").parse_args(["--glue", "g"])
     n = len(args.seeds.split(","))
     assert n >= 5 and min_sign_flip_p(n) < 0.05 <= min_sign_flip_p(n - 1)  # 2/2^6 = 0.031, 2/2^5 = 0.0625
     assert n == min_seeds_for_sign_flip(0.05) == 6
@@ -103,13 +103,13 @@ def test_default_seeds_allow_a_significant_sign_flip_test() -> None:
 
 
 def test_dry_run_prints_the_chosen_tasks_commands(tmp_path: Path) -> None:
-    """The acceptance command: python scripts/reproduce_glue.py --glue <dir> --tasks rte,qnli --dry-run."""
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce_glue.py"), "--glue", str(tmp_path / "glue"),
+    """The acceptance command: python scripts/study/reproduce_glue.py --glue <dir> --tasks rte,qnli --dry-run."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "study" / "reproduce_glue.py"), "--glue", str(tmp_path / "glue"),
                           "--tasks", "rte,qnli", "--dry-run", "--out", str(tmp_path / "study")],
                          capture_output=True, text=True, check=True, cwd=REPO).stdout
     cmds = [line[2:].split() for line in out.splitlines() if line.startswith("$ ")]
     runs = [c for c in cmds if c[:2] == ["kdrun", "-m"]]
-    objectives = load_script("reproduce_glue").OBJECTIVES
+    objectives = load_script("study/reproduce_glue").OBJECTIVES
     assert len(runs) == 2 * 2 * len(objectives)  # grid + seeds per task and objective
     for task, folder in (("rte", "RTE"), ("qnli", "QNLI")):
         mine = [c for c in runs if f"task={task}" in c]
@@ -124,7 +124,7 @@ def test_dry_run_prints_the_chosen_tasks_commands(tmp_path: Path) -> None:
 
 
 def test_teacher_options() -> None:
-    script = load_script("reproduce_glue")
+    script = load_script("study/reproduce_glue")
     rows = [script.common_overrides(script.parse_args(["--glue", "g", *opts]), "mrpc")
             for opts in ([], ["--no-teacher-full"], ["--teacher-max-train-samples", "3000"])]
     assert [[o for o in r if o.startswith("task.teacher_max_train_samples=")] for r in rows] == \
@@ -207,8 +207,8 @@ def test_teacher_train_limit_refuses_bad_values(value) -> None:
 
 
 def test_glue_cpu_dry_run_prints_the_studys_commands(tmp_path: Path) -> None:
-    """The study's one command: python scripts/reproduce_glue.py --glue <dir> --recipe glue_cpu --dry-run."""
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce_glue.py"), "--glue", str(tmp_path / "glue"),
+    """The study's one command: python scripts/study/reproduce_glue.py --glue <dir> --recipe glue_cpu --dry-run."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "study" / "reproduce_glue.py"), "--glue", str(tmp_path / "glue"),
                           "--recipe", "glue_cpu", "--dry-run"], capture_output=True, text=True, check=True,
                          cwd=tmp_path).stdout
     cmds = [line[2:].split() for line in out.splitlines() if line.startswith("$ ")]
@@ -234,7 +234,7 @@ def test_glue_cpu_dry_run_prints_the_studys_commands(tmp_path: Path) -> None:
 
 
 def test_glue_cpu_preset_composes_for_every_study_task() -> None:
-    script = load_script("reproduce_glue")
+    script = load_script("study/reproduce_glue")
     for task in script.RECIPES["glue_cpu"].tasks:
         cfg = compose(["experiment=glue_cpu", f"task={task}"])
         assert (cfg.task.max_seq_length, cfg.task.max_train_samples, cfg.task.teacher_max_train_samples) == \
@@ -253,7 +253,7 @@ def _criterion_run(job: Path, task: str, metric: str, teacher: float, value: flo
 
 
 def test_criterion_compares_the_finetune_student_with_its_teacher(tmp_path: Path) -> None:
-    script = load_script("reproduce_glue")
+    script = load_script("study/reproduce_glue")
     runs = {"sst2": ("accuracy", 0.88, [0.80, 0.78]),          # 90 % of 0.88 = 0.792; mean 0.79: missed by 0.2
             "mrpc": ("f1", 0.88, [0.81, 0.82]),               # 0.792 met, but the constant F1 0.812 meets it too
             "stsb": ("pearson", 0.87, [0.72, 0.70]),          # >= 0.70: met
@@ -275,14 +275,14 @@ def test_criterion_compares_the_finetune_student_with_its_teacher(tmp_path: Path
 
 @pytest.mark.skipif(not (GLUE / "MRPC").exists(), reason="GLUE data absent ($KDRUN_DATA/glue)")
 def test_measure_lengths_on_mrpc() -> None:
-    script = load_script("reproduce_glue")
+    script = load_script("study/reproduce_glue")
     lines = script.length_lines(script.parse_args(["--glue", str(GLUE), "--recipe", "glue_cpu", "--tasks", "mrpc"]))
     assert "mrpc train 3668: 19.96%, 0.00%, 0.00% (103)" in lines  # all-MiniLM-L6-v2's WordPiece
     assert "mrpc validation 408: 19.85%, 0.00%, 0.00% (86)" in lines
 
 
 def test_versus_logit_pairs_by_seed(tmp_path: Path) -> None:
-    script = load_script("reproduce_glue")
+    script = load_script("study/reproduce_glue")
     logit = [0.70, 0.71, 0.72, 0.73, 0.74, 0.75]
     for seed, v in enumerate(logit, 1):
         for obj, value in (("logit", v), ("ckd", v + 0.01 * seed), ("finetune", v - 0.01 if seed % 2 else v + 0.01)):
@@ -306,7 +306,7 @@ def test_jobs_fine_tune_each_teacher_once_before_the_tasks_other_objectives(monk
     import threading
     import time
 
-    script = load_script("reproduce_glue")
+    script = load_script("study/reproduce_glue")
     args = script.parse_args(["--glue", "g", "--recipe", "glue_cpu", "--tasks", "sst2,mrpc", "--jobs", "3"])
     events, lock = [], threading.Lock()
 
@@ -331,7 +331,7 @@ def test_jobs_fine_tune_each_teacher_once_before_the_tasks_other_objectives(monk
 
 
 def test_runs_csv_has_one_row_per_finished_run(tmp_path: Path) -> None:
-    script = load_script("reproduce_glue")
+    script = load_script("study/reproduce_glue")
     for phase, seed, value in (("grid", 0, 0.70), ("seeds", 1, 0.72), ("seeds", 2, 0.74)):
         job = tmp_path / phase / "stsb" / "ckd" / f"job{seed}"
         job.mkdir(parents=True)

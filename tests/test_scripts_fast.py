@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, load_script
 from tests.test_dynabert import TINY_DYNABERT_RUN
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
@@ -282,3 +282,27 @@ def test_bench_mgskd_pair_times_both_forms_and_picks_the_direct_one_below_a_plus
     assert [(r[0], r[1], r[2]) for r in rows] == [("1", "8", "64"), ("16", "8", "4"), ("1", "40", "64"),
                                                   ("16", "40", "4")], stdout
     assert [r[5] for r in rows] == ["direct", "kernel", "direct", "kernel"]
+
+
+SCRIPTS = sorted(p.relative_to(REPO / "scripts") for p in (REPO / "scripts").rglob("*") if p.suffix in (".py", ".sh"))
+
+
+def test_every_script_lives_in_a_folder_by_kind_and_answers_help(capsys) -> None:
+    """scripts/ holds folders by kind (README.md says which), and every script prints its use with
+    --help and exits 0: the Python ones through their main(argv), the shell ones as a user runs them."""
+    assert {p.parts[0] for p in SCRIPTS} == {"study", "bench", "fuzz", "plots", "checks", "setup"}
+    assert all(len(p.parts) == 2 for p in SCRIPTS)
+    readme = (REPO / "scripts" / "README.md").read_text()
+    for p in SCRIPTS:
+        assert p.stem in readme, f"scripts/README.md does not name {p}"
+        if p.suffix == ".sh":
+            out = subprocess.run(["bash", str(REPO / "scripts" / p), "--help"], capture_output=True, text=True)
+            assert out.returncode == 0 and len(out.stdout.splitlines()) >= 3, (p, out.stderr)
+            continue
+        mod = load_script(str(p.with_suffix("")))
+        with pytest.raises(SystemExit) as e:
+            mod.main(["--help"])
+        text = capsys.readouterr().out
+        assert e.value.code == 0 and text.startswith("usage:"), p
+        first = (mod.__doc__ or "").strip().splitlines()[0]
+        assert first and first in text, f"{p}: --help lacks the docstring's first line"

@@ -201,7 +201,7 @@ def test_results_count_the_teachers_forwards(run_cfg, tmp_path: Path) -> None:
 
 
 def test_bench_store_fast_mode(tmp_path: Path) -> None:
-    """scripts/bench_store.py in its fast mode: the stored sweep runs the teacher once per stage's
+    """scripts/bench/store.py in its fast mode: the stored sweep runs the teacher once per stage's
     entry instead of for every run, and trains the same students."""
     import json
 
@@ -209,7 +209,7 @@ def test_bench_store_fast_mode(tmp_path: Path) -> None:
 
     buf = io.StringIO()
     with redirect_stdout(buf):
-        load_script("bench_store").main(["--fast", "--out", str(tmp_path / "b"), "--cache", str(tmp_path / "c")])
+        load_script("bench/store").main(["--fast", "--out", str(tmp_path / "b"), "--cache", str(tmp_path / "c")])
     res = json.loads((tmp_path / "b" / "bench_store.json").read_text())
     # two entries for 4 runs: logits (logit's stage and minilm's prediction stage share it) and
     # minilm's Q/K/V; each built by one pass over the 160 toy rows
@@ -222,7 +222,7 @@ def test_bench_store_fast_mode(tmp_path: Path) -> None:
 
 
 def test_bench_peers_fast_mode(tmp_path: Path) -> None:
-    """scripts/bench_peers.py in its fast mode (kdrun with and without the store on toy sentences):
+    """scripts/bench/peers.py in its fast mode (kdrun with and without the store on toy sentences):
     the table is printed and both runs trained the same student from the same start."""
     import json
 
@@ -230,7 +230,7 @@ def test_bench_peers_fast_mode(tmp_path: Path) -> None:
 
     buf = io.StringIO()
     with redirect_stdout(buf):
-        load_script("bench_peers").main(["--fast", "--out", str(tmp_path / "p")])
+        load_script("bench/peers").main(["--fast", "--out", str(tmp_path / "p")])
     rows = {r["tool"]: r for r in json.loads((tmp_path / "p" / "bench_peers.json").read_text())}
     assert set(rows) == {"kdrun", "kdrun-nostore"}
     assert rows["kdrun"]["tokens_per_s"] > 0 and rows["kdrun"]["peak_rss_mb"] > 100

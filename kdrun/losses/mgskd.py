@@ -87,7 +87,7 @@ def pair_mse(xs: torch.Tensor, xt: torch.Tensor, mask: torch.Tensor, m: int) -> 
     (a+b)² product per head, O(n (a+b)²), in fp64 (the blocks' cancellation stays far below the loss),
     without the (B, m, n, n) matrices. With fewer points than a + b (one or a few relation heads,
     short rows) the n x n interactions, O(n² (a+b)), cost less and are formed instead
-    (``scripts/bench_mgskd_pair.py`` times both).
+    (``scripts/bench/mgskd_pair.py`` times both).
     """
     y = torch.cat([xs, xt.to(xs.dtype)], -1).masked_fill(~mask[..., None], 0.0)
     return _pair_mse(y, xs.shape[-1], mask, m)

