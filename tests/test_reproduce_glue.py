@@ -15,6 +15,8 @@ import pytest
 
 from tests.conftest import GLUE, REPO, TINY, compose, load_script
 
+STUDY = REPO / "scripts" / "study" / "reproduce_glue.py"
+
 
 @pytest.mark.skipif(not (GLUE / "MRPC").exists(), reason="GLUE data absent ($KDRUN_DATA/glue)")
 def test_grid_choice_seeds_and_report(tmp_path: Path) -> None:
@@ -104,7 +106,7 @@ def test_default_seeds_allow_a_significant_sign_flip_test() -> None:
 
 def test_dry_run_prints_the_chosen_tasks_commands(tmp_path: Path) -> None:
     """The acceptance command: python scripts/study/reproduce_glue.py --glue <dir> --tasks rte,qnli --dry-run."""
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "study" / "reproduce_glue.py"), "--glue", str(tmp_path / "glue"),
+    out = subprocess.run([sys.executable, str(STUDY), "--glue", str(tmp_path / "glue"),
                           "--tasks", "rte,qnli", "--dry-run", "--out", str(tmp_path / "study")],
                          capture_output=True, text=True, check=True, cwd=REPO).stdout
     cmds = [line[2:].split() for line in out.splitlines() if line.startswith("$ ")]
@@ -208,7 +210,7 @@ def test_teacher_train_limit_refuses_bad_values(value) -> None:
 
 def test_glue_cpu_dry_run_prints_the_studys_commands(tmp_path: Path) -> None:
     """The study's one command: python scripts/study/reproduce_glue.py --glue <dir> --recipe glue_cpu --dry-run."""
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "study" / "reproduce_glue.py"), "--glue", str(tmp_path / "glue"),
+    out = subprocess.run([sys.executable, str(STUDY), "--glue", str(tmp_path / "glue"),
                           "--recipe", "glue_cpu", "--dry-run"], capture_output=True, text=True, check=True,
                          cwd=tmp_path).stdout
     cmds = [line[2:].split() for line in out.splitlines() if line.startswith("$ ")]
