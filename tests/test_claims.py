@@ -142,12 +142,12 @@ def test_differences_p_values_and_verdicts_by_hand(tmp_path: Path) -> None:
 
 
 def _no_difference_arms(out: Path) -> None:
-    _arm(out, "sst2", "ckd_w10", [80.0] * 6)
-    _arm(out, "sst2", "ckd_w21", [81.0, 79.0, 80.5, 79.5, 80.2, 79.8])
-    _arm(out, "sst2", "alp", [80.0] * 6)
-    _arm(out, "sst2", "pkd", [79.0] * 6)  # gap at 3 layers: +1
-    _arm(out, "sst2", "alp_l2", [75.0] * 6)
-    _arm(out, "sst2", "pkd_l2", [72.0, 72.5, 71.5, 72.0, 72.5, 71.5])  # gap at 2 layers: +3, +2.5, +3.5, ...
+    _arm(out, "sst2", "mg_smp_angle", [80.0] * 6)
+    _arm(out, "sst2", "mg_smp_both", [81.0, 79.0, 80.5, 79.5, 80.2, 79.8])
+    _arm(out, "stsb", "alp", [80.0] * 6, "pearson")
+    _arm(out, "stsb", "pkd_first", [79.0] * 6, "pearson")  # gap at 3 layers: +1
+    _arm(out, "stsb", "alp_l2", [75.0] * 6, "pearson")
+    _arm(out, "stsb", "pkd_l2", [72.0, 72.5, 71.5, 72.0, 72.5, 71.5], "pearson")  # gap at 2 layers: +3, +2.5, ...
     _arm(out, "cola", "tb", [14.0] * 6, "matthews_correlation")
     _arm(out, "cola", "tb_a0", [17.0, 11.0, 16.0, 12.0, 15.0, 13.0], "matthews_correlation")
     _arm(out, "stsb", "tb", [47.0] * 6, "pearson")
@@ -158,11 +158,11 @@ def test_no_difference_rows_and_differences_of_differences(tmp_path: Path) -> No
     out = tmp_path / "claims"
     _no_difference_arms(out)
     rows = _rows(out, tmp_path / "absent.csv")
-    r = rows[("CKD: window", "sst2", "ckd_w21", "ckd_w10")]
-    # w21 − w10: ±1, ±0.5, ±0.2: mean 0, sd √(2.58 / 5) = 0.718; TOST t = (0 − 1) / (0.718 / √6) = −3.41, 5 df
+    r = rows[("MGSKD: pair vs triplet", "sst2", "mg_smp_both", "mg_smp_angle")]
+    # both − angle: ±1, ±0.5, ±0.2: mean 0, sd √(2.58 / 5) = 0.718; TOST t = (0 − 1) / (0.718 / √6) = −3.41, 5 df
     assert r["mean"] == "0.00" and r["tost"] == "±1.00: p 0.00952"
     assert r["verdict"] == "reproduced: equivalent within ±1.00 (TOST p 0.00952)"
-    r = rows[("ALP: smaller students", "sst2", "alp_l2-pkd_l2", "alp-pkd")]
+    r = rows[("ALP: smaller students", "stsb", "alp_l2-pkd_l2", "alp-pkd_first")]
     assert (r["n"], r["mean"]) == ("6", "2.00") and float(r["p_flip"]) == pytest.approx(2 / 64, abs=1e-4)
     assert r["verdict"] == "reproduced"
     r = rows[("TinyBERT study: loss weights", "cola", "tb_a0", "tb")]
@@ -179,14 +179,16 @@ def test_q_values_over_every_measured_row(tmp_path: Path) -> None:
     rows = _rows(out, tmp_path / "absent.csv")
     tested = {k: r for k, r in rows.items() if r["q"] not in ("", "—")}
     # five rows have six seeds and a t-test (ALP against PKD, 3 layers: every difference +1, no t-test)
-    assert len(tested) == 5 and rows[("ALP: smaller students", "sst2", "alp", "pkd")]["q"] == "—"
+    assert len(tested) == 5 and rows[("ALP: smaller students", "stsb", "alp", "pkd_first")]["q"] == "—"
     p_gap = stats.ttest_1samp([2, 1.5, 2.5, 2, 1.5, 2.5], 0.0).pvalue  # the third smallest p of five
-    assert rows[("ALP: smaller students", "sst2", "alp_l2-pkd_l2", "alp-pkd")]["q"] == format(5 / 3 * p_gap, ".3g")
-    assert rows[("CKD: window", "sst2", "ckd_w21", "ckd_w10")]["q"] == "1"  # p = 1 (mean 0)
+    gap = rows[("ALP: smaller students", "stsb", "alp_l2-pkd_l2", "alp-pkd_first")]
+    assert gap["q"] == format(5 / 3 * p_gap, ".3g")
+    assert rows[("MGSKD: pair vs triplet", "sst2", "mg_smp_both", "mg_smp_angle")]["q"] == "1"  # p = 1 (mean 0)
     summary = claims.verdict_summary(list(rows.values()))
     assert summary.startswith(f"**Verdicts:** {len(rows)} rows; 2 reproduced in the paper's direction, 1 equivalent")
-    assert ("1 inconclusive, 0 not informative (an arm collapsed), 2 not reproduced (one of two tests only: 1; "
-            "a difference where the paper finds none: 1), 88 not run yet.") in summary  # ALP vs PKD: +1 each, no t-test
+    assert ("1 inconclusive, 0 not informative (an arm collapsed), 0 not testable at this budget, "
+            "2 not reproduced (one of two tests only: 1; a difference where the paper finds none: 1), "
+            "83 not run yet.") in summary  # ALP vs PKD: +1 each, no t-test
     assert summary.endswith("over the 5 rows' t-test p-values: 3 have q < 0.05 (2 reproduced, 1 a difference "
                             "where the paper finds none).")
 
@@ -194,16 +196,16 @@ def test_q_values_over_every_measured_row(tmp_path: Path) -> None:
 def test_glue_cpu_rows_read_the_study_csv(tmp_path: Path) -> None:
     csv = tmp_path / "glue_cpu_runs.csv"
     lines = ["phase,task,objective,seed,lr,lambda_ckd,metric,dev,teacher_dev,device,precision,run_seconds"]
-    lines += [f"seeds,stsb,ckd,{s},0.0003,0.1,pearson,{77 + s},86.9,cuda,bf16,7" for s in SEEDS]
-    lines += [f"seeds,stsb,logit,{s},0.0003,,pearson,{75 + s % 2},86.9,cuda,bf16,7" for s in SEEDS]
-    lines += ["grid,stsb,logit,0,0.0001,,pearson,60,86.9,cuda,bf16,7"]
+    lines += [f"seeds,sst2,ckd,{s},0.0003,0.1,accuracy,{77 + s},86.9,cuda,bf16,7" for s in SEEDS]
+    lines += [f"seeds,sst2,logit,{s},0.0003,,accuracy,{75 + s % 2},86.9,cuda,bf16,7" for s in SEEDS]
+    lines += ["grid,sst2,logit,0,0.0001,,accuracy,60,86.9,cuda,bf16,7"]
     csv.write_text("\n".join(lines) + "\n")
-    r = _rows(tmp_path / "none", csv)[("CKD: beats KD and layer matching", "stsb", "ckd", "logit")]
+    r = _rows(tmp_path / "none", csv)[("CKD: beats KD and layer matching", "sst2", "ckd", "logit")]
     # ckd − logit per seed: 1+2, 2+2−1... = 77+s − (75 + s%2): 2, 4, 4, 6, 6, 8
     assert (r["n"], r["mean"], r["source"]) == ("6", "5.00", "glue_cpu") and r["verdict"] == "reproduced"
-    assert claims_plan.chosen_settings(csv)[("stsb", "ckd")] == {"train.lr": "0.0003",
+    assert claims_plan.chosen_settings(csv)[("sst2", "ckd")] == {"train.lr": "0.0003",
                                                                  "objective.params.lambda_ckd": "0.1"}
-    assert claims_plan.chosen_settings(csv)[("stsb", "logit")] == {"train.lr": "0.0003"}
+    assert claims_plan.chosen_settings(csv)[("sst2", "logit")] == {"train.lr": "0.0003"}
 
 
 def _weights(job: Path, w: float) -> None:
@@ -224,7 +226,8 @@ def test_learnt_weights_agree_or_not(tmp_path: Path) -> None:
     assert r["verdict"] == "reproduced: every seed's gap below 0.05"
     assert "largest gap 0.010 ± 0.000 (n=6)" in r["measured"] and "s1/t1 0.30, s1/t2 0.70" in r["measured"]
     r = rows[("TinyBERT study: learnt weights", "stsb", "tb_learn_u", "tb_learn_l")]
-    assert r["verdict"] == "not reproduced: gap up to 0.310 (start 0.381)"
+    assert r["verdict"] == ("not testable at this budget: gap up to 0.310 (start 0.381); the paper's weights are "
+                            "trained to convergence")
     first = next(csv.DictReader(io.StringIO(claims.runs_csv(claims.measured_runs(out)))))
     assert json.loads(first["map_weights"]) == {"map/s1/t1": 0.31, "map/s1/t2": 0.69}  # cola tb_learn_l, seed 1
 
@@ -242,9 +245,9 @@ def test_the_docs_table_is_replaced_between_its_markers(tmp_path: Path) -> None:
     assert "| CKD: components | sst2 | `ckd` > `ckd_no_wr` |" in text and "| reproduced | claims recipe |" in text
     assert "| p t-test | q (BH) | MDE, both tests | equivalence (TOST) | verdict | source |" in text
     assert "| 0.0312 | 0.00276 | 0.00276 | 0.81 | — | reproduced |" in text  # one row tested: q = p
-    assert "**Verdicts:** 94 rows; 1 reproduced in the paper's direction, 0 equivalent" in text
-    assert ("0 inconclusive, 0 not informative (an arm collapsed), 0 not reproduced, 93 not run yet. "
-            "Benjamini–Hochberg over the 1 rows'") in text
+    assert "**Verdicts:** 89 rows; 1 reproduced in the paper's direction, 0 equivalent" in text
+    assert ("0 inconclusive, 0 not informative (an arm collapsed), 0 not testable at this budget, 0 not reproduced, "
+            "88 not run yet. Benjamini–Hochberg over the 1 rows'") in text
     assert len(runs.read_text().splitlines()) == 13  # header and 12 runs
     assert ("**Measured:** 12 runs finished (cpu fp32; compute threads per run: 1); their run times sum to "
             "0.04 hours; the recipe's wall time, teacher fine-tuning included, 0.00 hours") in text
@@ -373,12 +376,12 @@ def test_a_collapsed_arm_makes_its_rows_not_informative(tmp_path: Path) -> None:
     _arm(out, "stsb", "pkd_l2", [20.0, 25.0, 18.0, 22.0, 15.0, 21.0], "pearson")  # ~20 below its control
     _arm(out, "stsb", "alp_l2", [38.0, 40.0, 39.0, 37.0, 41.0, 39.0], "pearson")  # 2 below: learnt, not collapsed
     _arm(out, "stsb", "alp", [1.0, -1.0, 2.0, -2.0, 0.5, -0.5], "pearson")  # a constant predictor's Pearson
-    _arm(out, "stsb", "pkd", [70.0, 71.0, 72.0, 70.5, 71.5, 70.0], "pearson")
+    _arm(out, "stsb", "pkd_first", [70.0, 71.0, 72.0, 70.5, 71.5, 70.0], "pearson")
     rows = _rows(out, tmp_path / "absent.csv")
     verdict = rows[(key, "stsb", "alp_l2", "pkd_l2")]["verdict"]
     assert verdict == "not informative: `pkd_l2` collapsed (see Collapsed arms)"
-    assert rows[(key, "stsb", "alp", "pkd")]["verdict"] == "not informative: `alp` collapsed (see Collapsed arms)"
-    gap = rows[(key, "stsb", "alp_l2-pkd_l2", "alp-pkd")]["verdict"]
+    assert rows[(key, "stsb", "alp", "pkd_first")]["verdict"] == "not informative: `alp` collapsed (see Collapsed arms)"
+    gap = rows[(key, "stsb", "alp_l2-pkd_l2", "alp-pkd_first")]["verdict"]
     assert gap == "not informative: `alp_l2`, `pkd_l2`, `alp` collapsed (see Collapsed arms)" or "`pkd_l2`" in gap
     values = claims.values_of(claims.measured_runs(out))
     assert claims.collapse_reason(values, "stsb", "alp_l2") is None  # 2 points below its control: not collapsed

@@ -26,7 +26,17 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from kdrun.report.claims_plan import ARMS, CLAIMS, NOT_TESTABLE, Claim, Row, glue_cpu_seed_rows, run_cpu_seconds, steps
+from kdrun.report.claims_plan import (
+    ARMS,
+    CLAIMS,
+    DROPPED,
+    NOT_TESTABLE,
+    Claim,
+    Row,
+    glue_cpu_seed_rows,
+    run_cpu_seconds,
+    steps,
+)
 from kdrun.report.results import RunRecord, collect
 from kdrun.report.significance import above_p, bh_qvalues, joint_mde, paired_t_p, sign_flip_p, tost_p
 from kdrun.runtime.cache import write_text_atomic
@@ -325,7 +335,8 @@ def weights_row(runs: Runs, task: str, row: Row) -> tuple[str, str]:
     measured = f"largest gap {mean:.3f} ± {sd:.3f} (n={len(gaps)})"
     if max(gaps) < SAME_WEIGHTS:
         return measured, f"reproduced: every seed's gap below {SAME_WEIGHTS}"
-    return measured, f"not reproduced: gap up to {max(gaps):.3f} (start {row.delta_for(task) or 0:.3f})"
+    return measured, (f"not testable at this budget: gap up to {max(gaps):.3f} (start {row.delta_for(task) or 0:.3f}); "
+                      "the paper's weights are trained to convergence")
 
 
 def weights_cell(runs: Runs, task: str, arm: str) -> str:
@@ -405,7 +416,7 @@ KINDS = (("not informative", "not informative"),
          ("not reproduced: in one", "one of two tests only"),
          ("not reproduced: power", "power"), ("not reproduced: no difference", "no difference above the MDE"),
          ("not reproduced: they differ", "a difference where the paper finds none"),
-         ("not reproduced: gap", "learnt weights apart"), ("not run yet", "not run yet"))
+         ("not testable at this budget", "not testable at this budget"), ("not run yet", "not run yet"))
 
 
 def verdict_kind(v: str) -> str:
@@ -418,7 +429,8 @@ def verdict_summary(rows: list[dict[str, str]]) -> str:
     """One paragraph: the rows per verdict and reason, and those whose q-value is below ALPHA."""
     kinds = [verdict_kind(r["verdict"]) for r in rows]
     count = {k: kinds.count(k) for k in dict.fromkeys(label for _, label in KINDS)}
-    apart = ("equivalent", "reproduced", "inconclusive", "not informative", "not run yet")
+    apart = ("equivalent", "reproduced", "inconclusive", "not informative", "not testable at this budget",
+             "not run yet")
     failed = [k for k in count if count[k] and k not in apart]
     tested = [(r, k) for r, k in zip(rows, kinds) if r["q"] not in ("", "—")]
     survive = [k for r, k in tested if float(r["q"]) < ALPHA]
@@ -426,7 +438,8 @@ def verdict_summary(rows: list[dict[str, str]]) -> str:
     return (f"**Verdicts:** {len(rows)} rows; {count['reproduced']} reproduced in the paper's direction, "
             f"{count['equivalent']} equivalent (the paper's \"no difference\", within ±{EQUIVALENCE_MARGIN:.2f}), "
             f"{count['inconclusive']} inconclusive, {count['not informative']} not informative (an arm "
-            f"collapsed), {sum(count[k] for k in failed)} not reproduced"
+            f"collapsed), {count['not testable at this budget']} not testable at this budget, "
+            f"{sum(count[k] for k in failed)} not reproduced"
             + (" (" + "; ".join(f"{k}: {count[k]}" for k in failed) + ")" if failed else "")
             + (f", {count['not run yet']} not run yet" if count["not run yet"] else "")
             + f". Benjamini–Hochberg over the {len(tested)} rows' t-test p-values: {len(survive)} have q < {ALPHA:g}"
@@ -457,9 +470,9 @@ def arms_table(tasks: tuple[str, ...] = ("cola", "sst2", "stsb")) -> str:
     return "\n".join(lines)
 
 
-def not_testable_table() -> str:
-    lines = ["| paper | claim | why not testable offline |", "|---|---|---|"]
-    lines += [f"| {paper} | {claim} | {why} |" for paper, claim, why in NOT_TESTABLE]
+def not_testable_table(entries=NOT_TESTABLE, head: str = "why not testable offline") -> str:
+    lines = [f"| paper | claim | {head} |", "|---|---|---|"]
+    lines += [f"| {paper} | {claim} | {why} |" for paper, claim, why in entries]
     return "\n".join(lines)
 
 
@@ -546,6 +559,7 @@ def write_report(out: Path, glue_cpu_csv: Path, docs: Path | None = None, runs_p
              f"**Every arm's dev score** (main metric x100, mean ± sd over its seeds):\n\n{arm_scores_table(runs)}\n\n"
              f"**The arms** (each on `experiment=glue_cpu`, seeds 1–6):\n\n{arms_table()}\n\n"
              f"**Not testable offline:**\n\n{not_testable_table()}\n\n"
+             f"**Dropped rows** (not statements of the papers):\n\n{not_testable_table(DROPPED, 'why dropped')}\n\n"
              f"**Cost**, estimated and measured (seed runs; grid runs and teachers not included):\n\n"
              f"{cost_table(runs)}")
     text = runs_csv(runs)
