@@ -530,6 +530,10 @@ def test_alp_run_plots_attention_per_example(tmp_path: Path, shared_cache: Path)
     run_dir = tmp_path / "alp"
     out, lines = _run(run_dir, shared_cache, "objective=alp")
     assert any("objective/map_attention_nolast/s1/t4" in line for line in lines)
+    learnt = out["stages"][0]["map"]  # the final α and its entropy, in results.json
+    layers = sorted(k for k in learnt if k.startswith("map_attention_nolast/s1/t"))
+    assert len(layers) >= 2 and sum(learnt[k] for k in layers) == pytest.approx(1.0, abs=1e-4)
+    assert 0.0 <= learnt["map_attention_nolast/s1/entropy"] <= math.log(len(layers)) + 1e-6
     written = load_script("plots/maps").main([str(run_dir), "--examples", "5"])
     assert sorted(p.name for p in written) == ["alp_attention.png", "map_attention_nolast_weights.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)

@@ -229,8 +229,15 @@ def test_mean_attention_and_concat_targets_by_hand() -> None:
         z = sum(math.exp(d) for d in dots)
         want = sum(math.exp(d) / z * reps[t][b] for d, t in zip(dots, (4, 5, 6)))
         assert torch.allclose(got[b], want, atol=1e-5)
-    assert set(att.log_values()) == {"s2/t4", "s2/t5", "s2/t6"}
-    assert sum(att.log_values().values()) == pytest.approx(1.0)
+    logged = att.log_values()
+    assert set(logged) == {"s2/t4", "s2/t5", "s2/t6", "s2/entropy"}
+    assert sum(v for k, v in logged.items() if "/t" in k) == pytest.approx(1.0)
+    entropies = []  # the mean over examples of −Σ α_k log α_k, by hand
+    for b in range(2):
+        dots = [float(hs[b] @ reps[t][b]) / 2.0 for t in (4, 5, 6)]
+        alpha = [math.exp(d) / sum(math.exp(e) for e in dots) for d in dots]
+        entropies.append(-sum(a * math.log(a) for a in alpha))
+    assert logged["s2/entropy"] == pytest.approx(sum(entropies) / 2, rel=1e-5)
     with pytest.raises(ValueError, match="needs the student's representation"):
         att.target(0, lambda t: reps[t])
     # sqrt_d: scaled dot products, as attention in a transformer (d = 4 here, so T = 2 as above)

@@ -252,6 +252,9 @@ def finish_stage(parts: RunParts, loop: StageLoop, state: TrainState) -> None:
         last = state.evals[-1]
         result = {"stage": plan.name, "steps": state.stage_step, "metrics": last["metrics"],
                   "best_metric": state.best_metric if state.best_stage == plan.index else None}
+        learnt = parts.objective.log_values(plan.index)
+        if learnt:  # a learnable or attention map's final weights (and α's entropy), as logged
+            result["map"] = learnt
         forward = getattr(loop, "forward", None)
         if forward is not None:  # how its steps ran; the graphs compiled (this process's part of the stage)
             result.update(step_mode=forward.mode, compilations=forward.compilations, graph_breaks=forward.graph_breaks)

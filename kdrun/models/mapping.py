@@ -193,6 +193,7 @@ class LayerMap(nn.Module):
         self.lr_scale = float(lr_scale)
         self._draw: tuple[int, list[tuple[int, int]]] | None = None
         self.last_sample_weights: list[torch.Tensor | None] = [None] * len(self.rows)
+        self.last_sample_entropy: list[torch.Tensor | None] = [None] * len(self.rows)
         if strategy == "learnable":
             if init not in INITS:
                 raise ValueError(f"mapping.init='{init}' must be one of {', '.join(INITS)}")
@@ -286,7 +287,10 @@ class LayerMap(nn.Module):
             raise ValueError("mapping=attention needs the student's representation to weight the teacher layers")
         alpha = self.attention_weights(student_rep, stacked)
         # kept on the device: read on the host by log_values, at log steps only
-        self.last_sample_weights[index] = alpha.detach().reshape(-1, alpha.shape[-1]).float().mean(0)
+        flat = alpha.detach().reshape(-1, alpha.shape[-1]).float()
+        self.last_sample_weights[index] = flat.mean(0)
+        # the mean per-example entropy of α in nats: 0 one-hot, log(k) uniform over the k teacher layers
+        self.last_sample_entropy[index] = -(flat * flat.clamp_min(1e-30).log()).sum(-1).mean()
         return (stacked * alpha.unsqueeze(-1).to(stacked.dtype)).sum(-2)
 
     def attention_weights(self, student_rep: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
@@ -306,7 +310,8 @@ class LayerMap(nn.Module):
 
     # ---- logging
     def log_values(self) -> dict[str, float]:
-        """Per (student, teacher) weight: ``learnable``: softmax(θ); ``attention``: the last batch's mean α."""
+        """Per (student, teacher) weight: ``learnable``: softmax(θ); ``attention``: the last batch's mean α
+        and ``s<j>/entropy``, its mean per-example entropy in nats (0: one-hot; log k: uniform)."""
         out: dict[str, float] = {}
         if self.strategy == "learnable":
             with torch.no_grad():
@@ -314,9 +319,10 @@ class LayerMap(nn.Module):
                     if len(r.teachers) > 1:
                         out.update({f"s{r.student}/t{t}": x for t, x in zip(r.teachers, w.tolist())})
         elif self.strategy == "attention":
-            for r, w in zip(self.rows, self.last_sample_weights):
+            for r, w, h in zip(self.rows, self.last_sample_weights, self.last_sample_entropy):
                 if w is not None:
                     out.update({f"s{r.student}/t{t}": x for t, x in zip(r.teachers, w.tolist())})
+                    out[f"s{r.student}/entropy"] = float(h)
         return out
 
 

@@ -457,6 +457,45 @@ def collapsed_table(runs: Runs, glue_cpu_csv: Path) -> str:
     return "\n".join(lines)
 
 
+def _layer_entropy(weights: dict[str, float]) -> dict[str, tuple[str, float, float, bool]]:
+    """{student layer: (teacher layer with the most weight, its weight, entropy in nats, measured)} of
+    one run's attention-map weights (``<map>/s<j>/t<k>``, ``<map>/s<j>/entropy``). Without a recorded
+    entropy, that of the mean weights, an upper bound of the mean per-example entropy (measured False)."""
+    import math
+
+    by: dict[str, dict[str, float]] = {}
+    for k, v in weights.items():
+        *_, sj, tk = k.split("/")
+        by.setdefault(sj, {})[tk] = v
+    out = {}
+    for sj, row in sorted(by.items()):
+        layers = {t: w for t, w in row.items() if t.startswith("t")}
+        top = max(layers, key=layers.get)
+        if "entropy" in row:
+            out[sj] = (top, layers[top], row["entropy"], True)
+        else:
+            out[sj] = (top, layers[top], -sum(w * math.log(w) for w in layers.values() if w > 0), False)
+    return out
+
+
+def attention_table(runs: Runs) -> str:
+    """ALP's attention over the teacher layers per arm and task: for each student layer the teacher
+    layer with the most weight, that weight and the entropy of α (mean over seeds; log k = uniform)."""
+    lines = ["| task | arm | student layer | top teacher layer (weight) | entropy of α, nats (uniform: log 6 = 1.79) "
+             "| n |", "|---|---|---|---|---|---:|"]
+    for (task, arm), by_seed in sorted(runs.items()):
+        if ARMS.get(arm) is None or ARMS[arm].objective != "alp":
+            continue
+        per = [_layer_entropy(dict(m.weights)) for m in by_seed.values() if m.weights]
+        for sj in (sorted(per[0]) if per else []):
+            tops = sorted({p[sj][0] for p in per if sj in p})
+            w = statistics.fmean(p[sj][1] for p in per if sj in p)
+            h = statistics.fmean(p[sj][2] for p in per if sj in p)
+            bound = "" if all(p[sj][3] for p in per if sj in p) else "≤ "
+            lines.append(f"| {task} | `{arm}` | {sj} | {'/'.join(tops)} ({w:.3f}) | {bound}{h:.3f} | {len(per)} |")
+    return "\n".join(lines)
+
+
 def arms_table(tasks: tuple[str, ...] = ("cola", "sst2", "stsb")) -> str:
     """Every arm the recipe runs: its objective, overrides and tasks (``experiment=glue_cpu``)."""
     on: dict[str, list[str]] = {}
@@ -556,6 +595,9 @@ def write_report(out: Path, glue_cpu_csv: Path, docs: Path | None = None, runs_p
     table = markdown_table(rows)
     block = (f"{cost_summary(runs, out)}\n\n{verdict_summary(rows)}\n\n{table}\n\n"
              f"**Collapsed arms** (the rule: {COLLAPSE_RULE}):\n\n{collapsed_table(runs, glue_cpu_csv)}\n\n"
+             f"**ALP's attention over the teacher layers** (final logged α; \"≤\": the entropy of the mean α, "
+             f"an upper bound of the mean per-example entropy, for runs that did not record it):\n\n"
+             f"{attention_table(runs)}\n\n"
              f"**Every arm's dev score** (main metric x100, mean ± sd over its seeds):\n\n{arm_scores_table(runs)}\n\n"
              f"**The arms** (each on `experiment=glue_cpu`, seeds 1–6):\n\n{arms_table()}\n\n"
              f"**Not testable offline:**\n\n{not_testable_table()}\n\n"
