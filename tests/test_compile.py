@@ -168,7 +168,7 @@ def test_cuda_graphs_are_refused_off_cuda_under_fp16_with_accumulation_and_ddp(r
 def test_bench_compile_fast_compares_both_sides(tmp_path: Path) -> None:
     from tests.test_scripts_fast import run_script
 
-    out = run_script("bench_compile", "--fast", "--json", str(tmp_path / "b.json"), tmp_path=tmp_path, timeout=400)
+    out = run_script("bench/compile", "--fast", "--json", str(tmp_path / "b.json"), tmp_path=tmp_path, timeout=400)
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert set(rows) == {"logit", "ckd"} and "ratio" in out
     for row in rows.values():  # the same batches, the same arithmetic (aot_eager): equal losses

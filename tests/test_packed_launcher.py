@@ -211,7 +211,7 @@ def test_bench_packed_fast(tmp_path: Path) -> None:
     """The fast mode times 3 tiny jobs one at a time and 2 at once, prints both and their ratio,
     and both sweeps finish every job (one at a time in one, two at a time in the other)."""
     work = tmp_path / "work"
-    stdout = run_script("bench_packed", "--fast", "--workdir", str(work), tmp_path=tmp_path, timeout=400,
+    stdout = run_script("bench/packed", "--fast", "--workdir", str(work), tmp_path=tmp_path, timeout=400,
                         SLURM_JOB_ID="")
     one = re.search(r"^one at a time:\s+(\d+\.\d) s$", stdout, re.M)
     packed = re.search(r"^packed \(2 at once\):\s+(\d+\.\d) s  \(jobs_at_once=2\)$", stdout, re.M)

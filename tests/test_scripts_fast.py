@@ -50,7 +50,7 @@ def test_make_tiny_mlm_writes_a_loadable_masked_lm(tmp_path: Path) -> None:
     """The written directory loads with plain transformers (model and tokenizer), predicts a word for
     every vocabulary entry at a [MASK], and is accepted as augmentation.mlm."""
     out = tmp_path / "mlm"
-    stdout = run_script("make_tiny_mlm", str(out), "--hidden", "32", "--layers", "1", "--heads", "2",
+    stdout = run_script("setup/make_tiny_mlm", str(out), "--hidden", "32", "--layers", "1", "--heads", "2",
                         "--intermediate", "48", tmp_path=tmp_path)
     assert re.search(r"wrote a random BertForMaskedLM \(1 layers, hidden 32, \d+\.\dM parameters\)", stdout), stdout
     import torch
@@ -74,7 +74,7 @@ def test_make_tiny_mlm_writes_a_loadable_masked_lm(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------ bench_optimizer
 
 def test_bench_optimizer_prints_both_rows_and_the_ratio(tmp_path: Path) -> None:
-    stdout = run_script("bench_optimizer", "--layers", "1", "--steps", "3", "--device", "cpu", tmp_path=tmp_path)
+    stdout = run_script("bench/optimizer", "--layers", "1", "--steps", "3", "--device", "cpu", tmp_path=tmp_path)
     assert re.search(r"AdamW step, \d+\.\d M parameters \(1-layer MiniLM student\), cpu, \d+ threads, 3 steps", stdout)
     loop = re.search(r"^\| per-tensor loop \(fused: false\) \| (\d+\.\d) \|$", stdout, re.M)
     fused = re.search(r"^\| fused \(default\) \| (\d+\.\d) \|$", stdout, re.M)
@@ -93,7 +93,7 @@ def test_count_ops_fast_prints_every_objective_with_its_ratio_to_logit(tmp_path:
     """Tiny models: the table has a row per objective, logit's ratio is 1, each ratio is its count over
     logit's, and the JSON holds the same counts."""
     out = tmp_path / "ops.json"
-    stdout = run_script("count_ops", "--fast", "--objectives", "finetune,ckd,mgskd", "--json", str(out),
+    stdout = run_script("bench/count_ops", "--fast", "--objectives", "finetune,ckd,mgskd", "--json", str(out),
                         tmp_path=tmp_path)
     rows = {m[1]: (number(m[2]), float(m[3]))
             for m in re.finditer(r"^\| (\w+) \| ([\d,]+) \| (\d+\.\d\d) \|$", stdout, re.M)}
@@ -113,7 +113,7 @@ def test_bench_relations_kdrun_and_naive_losses_agree(tmp_path: Path) -> None:
     """Small sizes: each case in its own process, both ways on the same inputs, windowed and all
     angles; the loss values agree and the table has both ways and their ratios."""
     out = tmp_path / "rel.json"
-    stdout = run_script("bench_relations", "--batch", "2", "--n", "16", "--layers", "2", "--teacher-dim", "32",
+    stdout = run_script("bench/relations", "--batch", "2", "--n", "16", "--layers", "2", "--teacher-dim", "32",
                         "--student-dims", "16", "--window", "3", "--small-batch", "1", "--threads", "1",
                         "--json", str(out), tmp_path=tmp_path)
     rows = json.loads(out.read_text())["rows"]
@@ -144,7 +144,7 @@ def test_bench_train_on_a_generated_sst2(tmp_path: Path) -> None:
         texts, labels = toy_sentences(n, split)
         (glue / f"{split}.tsv").write_text("sentence\tlabel\n" + "".join(f"{t}\t{y}\n" for t, y in zip(texts, labels)))
     out = tmp_path / "train.json"
-    stdout = run_script("bench_train", "--data-dir", str(glue), "--examples", "64", "--batch-size", "16",
+    stdout = run_script("bench/train", "--data-dir", str(glue), "--examples", "64", "--batch-size", "16",
                         "--device", "cpu", "--json", str(out), tmp_path=tmp_path, TMPDIR=str(tmp_path))
     assert re.search(r"^64 SST-2 sentences, mean length \d+\.\d tokens \(padded: 128\), batch 16", stdout, re.M)
     res = json.loads(out.read_text())
@@ -174,7 +174,7 @@ def test_bench_corpus_fast_on_a_generated_corpus(tmp_path: Path) -> None:
         for d in range(120):
             f.write(f'<doc id="{d}" url="u{d}" title="Doc {d}">\nDoc {d}\n\n' + "\n".join(texts[3 * d:3 * d + 3])
                     + "\n</doc>\n")
-    stdout = run_script("bench_corpus", "--data", str(tmp_path / "wiki"), "--fast", f"cache_dir={tmp_path / 'cache'}",
+    stdout = run_script("bench/corpus", "--data", str(tmp_path / "wiki"), "--fast", f"cache_dir={tmp_path / 'cache'}",
                         tmp_path=tmp_path)
     assert "3 batches of 8 segments (max 32 tokens), objective ckd_general" in stdout, stdout
     rate = {}
@@ -201,7 +201,7 @@ def test_bench_concurrency_fast(tmp_path: Path) -> None:
     comparison is about."""
     work = tmp_path / "work"
     # SLURM_JOB_ID emptied: inside a SLURM job a run takes SLURM's CPU count instead of dividing the cores
-    stdout = run_script("bench_concurrency", "--fast", "--workdir", str(work), tmp_path=tmp_path, timeout=240,
+    stdout = run_script("bench/concurrency", "--fast", "--workdir", str(work), tmp_path=tmp_path, timeout=240,
                         SLURM_JOB_ID="")
     secs = {}
     for key, label in (("alone", r"one run alone:"), ("naive", r"two at once, each with all \d+ threads \(naive\):"),
@@ -240,7 +240,7 @@ def test_check_export_on_a_tiny_dynabert_run(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "exported"
-    stdout = run_script("check_export", str(run_dir), "width=0.5", "depth=0.5", str(out), tmp_path=tmp_path)
+    stdout = run_script("checks/export", str(run_dir), "width=0.5", "depth=0.5", str(out), tmp_path=tmp_path)
     assert f"wrote {out}" in stdout
     res = json.loads(stdout[stdout.index("{\n"):])
     assert (res["width"], res["depth"], res["rows"]) == (0.5, 0.5, 24)
@@ -261,7 +261,7 @@ def test_check_export_on_a_tiny_dynabert_run(tmp_path: Path) -> None:
 
 
 def test_bench_precision_fast_runs_the_quickstart_in_three_precisions(tmp_path: Path) -> None:
-    out = run_script("bench_precision", "--fast", "--seeds", "0", "--out", str(tmp_path), tmp_path=tmp_path,
+    out = run_script("bench/precision", "--fast", "--seeds", "0", "--out", str(tmp_path), tmp_path=tmp_path,
                      timeout=300)
     lines = [line for line in out.splitlines() if line.split()[:1] and line.split()[0] in ("fp32", "bf16", "fp16")]
     assert [line.split()[0] for line in lines] == ["fp32", "bf16", "fp16"], out
@@ -276,7 +276,7 @@ def test_bench_precision_fast_runs_the_quickstart_in_three_precisions(tmp_path: 
 def test_bench_mgskd_pair_times_both_forms_and_picks_the_direct_one_below_a_plus_b(tmp_path: Path) -> None:
     """Two lengths x two head counts: a row each; ``auto`` takes the n x n form exactly where n < a + b
     (the script exits non-zero if the two forms disagree)."""
-    stdout = run_script("bench_mgskd_pair", "--fast", "--threads", "1", tmp_path=tmp_path)
+    stdout = run_script("bench/mgskd_pair", "--fast", "--threads", "1", tmp_path=tmp_path)
     row = r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+\.\d) \| (\d+\.\d) \| (\w+) \| (\d+\.\d\d) \|$"
     rows = re.findall(row, stdout, re.M)
     assert [(r[0], r[1], r[2]) for r in rows] == [("1", "8", "64"), ("16", "8", "4"), ("1", "40", "64"),
