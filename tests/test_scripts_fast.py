@@ -326,3 +326,27 @@ def test_versions_script_tabulates_a_stack(tmp_path: Path) -> None:
     assert f"torch {torch.__version__}" in row and re.search(r"\| \d+ passed in ", row), row
     assert row.rstrip(" |").endswith("classification:0"), row
     assert (tmp_path / "versions.md").read_text() == out.stdout
+
+
+def test_slow_tests_script_lists_tests_by_their_summed_durations(tmp_path: Path) -> None:
+    """scripts/checks/slow_tests.py on a hand-written JUnit report: a test is slow when its
+    parametrizations together take the threshold or more (conftest marks them all by one id), a test
+    of a class keeps its class in the id, cases outside tests/ are ignored; --check compares."""
+    junit = tmp_path / "report.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_a" name="test_one[x]" time="1.2"/>'
+        '<testcase classname="tests.test_a" name="test_one[y]" time="0.9"/>'
+        '<testcase classname="tests.test_a" name="test_two" time="1.99"/>'
+        '<testcase classname="tests.test_b.TestK" name="test_three" time="5"/>'
+        '<testcase classname="other.test_c" name="test_four" time="9"/>'
+        '</testsuite></testsuites>')
+    mod = load_script("checks/slow_tests")
+    assert mod.durations(junit) == pytest.approx({"tests/test_a.py::test_one": 2.1, "tests/test_a.py::test_two": 1.99,
+                                                  "tests/test_b.py::TestK::test_three": 5.0})
+    out = tmp_path / "slow.txt"
+    assert mod.main(["--junit", str(junit), "--out", str(out)]) == 0
+    ids = [line for line in out.read_text().splitlines() if line and not line.startswith("#")]
+    assert ids == ["tests/test_a.py::test_one", "tests/test_b.py::TestK::test_three"]
+    assert mod.main(["--junit", str(junit), "--out", str(out), "--check"]) == 0
+    assert mod.main(["--junit", str(junit), "--out", str(out), "--check", "--threshold", "1.5"]) == 1
