@@ -18,6 +18,7 @@ from kdrun.report.significance import (
     joint_mde,
     joint_mde_unit,
     min_detectable_effect,
+    seeds_needed,
     tost_p,
 )
 
@@ -88,3 +89,14 @@ def test_above_p_is_scipys_one_sided_one_sample_t_test() -> None:
     # by hand: mean 0.5833, sd 1.8552, t = 0.5833 / (1.8552 / √6) = 0.7702, 5 df: p = 0.238
     assert above_p(x, 0.0) == pytest.approx(0.238, abs=1e-3)
     assert above_p([5.0] * 4, 1.0) == 0.0 and above_p([1.0] * 4, 1.0) == 1.0 and above_p([3.0], 0.0) is None
+
+
+def test_seeds_needed_by_hand() -> None:
+    """(t_{.975,n-1} + t_{.8,n-1}) / √n ≤ effect/sd first at n = 10 for effect = sd: 3.145/3.162 = 0.995
+    at n = 10, 3.195/3 = 1.065 at n = 9; the bisection agrees with a naive scan everywhere."""
+    assert seeds_needed(1.0, 1.0) == 10
+    assert seeds_needed(-1.0, 1.0) == 10
+    for effect, sd in ((0.4, 2.11), (2.0, 2.54), (0.3, 1.04), (3.4, 3.07)):
+        naive = next(n for n in range(2, 1001) if min_detectable_effect(n, sd) <= effect)
+        assert seeds_needed(effect, sd) == naive
+    assert seeds_needed(0.01, 5.0) is None and seeds_needed(1.0, 0.0) is None

@@ -209,6 +209,26 @@ def min_detectable_effect(n: int, sd: float, alpha: float = 0.05, power: float =
     return float((stats.t.ppf(1 - alpha / 2, n - 1) + stats.t.ppf(power, n - 1)) * sd / math.sqrt(n))
 
 
+def seeds_needed(effect: float, sd: float, alpha: float = 0.05, power: float = POWER, most: int = 1000) -> int | None:
+    """The fewest pairs with which a paired t-test detects a true difference ``effect`` with
+    probability ``power`` when the differences spread by ``sd``: the smallest n whose
+    min_detectable_effect is at most ``|effect|``. A lower bound for the rule needing the sign-flip
+    test too (simulated: its MDE is 1.27 times the t-test's with 6 pairs, 1.05 with 8, 1.02 with
+    10). None above ``most``, with no spread, or without scipy."""
+    if not sd or sd <= 0 or not effect:
+        return None
+    def short(n: int) -> bool:
+        return (min_detectable_effect(n, sd, alpha, power) or math.inf) > abs(effect)
+
+    lo, hi = 2, most
+    if short(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if short(mid) else (lo, mid)
+    return lo
+
+
 def min_seeds_for_sign_flip(alpha: float) -> int:
     """The fewest pairs with which the exact sign-flip test can give p < ``alpha`` (2/2^n < alpha)."""
     n = 1
