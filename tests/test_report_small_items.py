@@ -23,3 +23,4 @@ def test_report_store_lines_wrap_at_the_width_and_keep_every_word() -> None:
     assert len(text) > LINE_WIDTH and len(lines) > 1 and all(len(x) <= LINE_WIDTH for x in lines)
     assert " ".join(x.removeprefix("[kdrun]   ") if i else x for i, x in enumerate(lines)).split() == text.split()
     assert lines[0].endswith("the teacher does not run —")  # broken after a clause
+    assert lines[1].endswith(" vs") and "(measured while building)" in lines[2]  # not inside a parenthesis

@@ -190,12 +190,12 @@ LINE_WIDTH = 160
 
 def wrapped(text: str) -> str:
     """A printed store line as lines of at most ``LINE_WIDTH`` characters, broken after its clauses
-    (``; `` and `` — ``) where it can, continued under ``[kdrun]``."""
+    (``; ``, `` — ``, and a comparison's `` vs ``) where it can, continued under ``[kdrun]``."""
     import textwrap
 
     indent = "[kdrun]   "
     lines = [""]
-    for clause in re.split(r"(?<=; )|(?<= — )", text):
+    for clause in re.split(r"(?<=; )|(?<= — )|(?<= vs )", text):
         if lines[-1] and len(lines[-1]) + len(clause) > LINE_WIDTH:
             lines.append(indent)
         lines[-1] += clause
