@@ -397,3 +397,20 @@ def test_run_train_settings_leave_the_teachers_weights_unchanged(tmp_path: Path)
     key_c, wc, _ = _fine_tune(tmp_path / "cc", tmp_path / "c", *REAL_FINETUNE_CHANGED)
     assert key_c != key_a
     assert any(not torch.equal(wa[k], wc[k]) for k in wa)
+
+
+def test_a_cached_teacher_file_says_it_holds_pytorch_weights(tmp_path) -> None:
+    """The teacher's model.safetensors carries ``format: pt``, as save_pretrained's does: transformers
+    before 4.47 (within pyproject's range) refuses a file without it when it loads the cached teacher."""
+    from safetensors import safe_open
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from kdrun.app.teacher import save_model_files
+
+    model = BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=16))
+    save_model_files(model, tmp_path / "model")
+    with safe_open(str(tmp_path / "model" / "model.safetensors"), framework="pt") as f:
+        assert (f.metadata() or {}).get("format") == "pt"
+    again = BertForSequenceClassification.from_pretrained(tmp_path / "model")
+    assert again.classifier.weight.equal(model.classifier.weight)

@@ -361,10 +361,12 @@ def save_model_files(model: Any, out: Path) -> None:
 
     transformers writes nothing on a process other than rank 0 once torch.distributed is up, but in
     a data-parallel run whichever process holds the cache lock fine-tunes and saves the teacher.
+    The file carries ``format: pt`` as save_pretrained's does: transformers before 4.47 refuses to
+    load a safetensors file without it.
     """
     from safetensors.torch import save_model
 
     out.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(out)
-    save_model(model, str(out / "model.safetensors"))
+    save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
 

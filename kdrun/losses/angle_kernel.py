@@ -104,7 +104,11 @@ def angle_sum(g, c, inv, valid, window, loss: str, beta: float, chunk_elems: int
     return _angle_op(g, c, inv, valid, window, loss, float(beta), int(chunk_elems), bool(want))[0]
 
 
-@torch.library.custom_op("kdrun::angle_sum", mutates_args=())
+# The schema is given, not inferred: torch 2.4's inference cannot read the postponed annotations of
+# this module (``from __future__ import annotations``).
+@torch.library.custom_op("kdrun::angle_sum", mutates_args=(), schema=(
+    "(Tensor g, Tensor c, Tensor inv, Tensor valid, int? window, str loss, float beta, int chunk_elems, bool want)"
+    " -> (Tensor, Tensor, Tensor, Tensor)"))
 def _angle_op(g: torch.Tensor, c: torch.Tensor, inv: torch.Tensor, valid: torch.Tensor, window: Optional[int],
               loss: str, beta: float, chunk_elems: int, want: bool
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
