@@ -16,8 +16,8 @@
 # data where ../shared/data (or $KDRUN_DATA) has it: labelled classification (toy), regression
 # (STS-B), extractive QA (SQuAD), a raw-text corpus (Wikipedia). Prints one table row per stack
 # (its versions, the loop's counts, each tiny run's exit status) and writes the table to
-# $KDRUN_VERSIONS_DIR/versions.md. torch below 2.13 comes from PyPI as its CUDA build (several GB; it
-# runs on a CPU too).
+# $KDRUN_VERSIONS_DIR/versions.md (each loop's output, failures named: <stack>-loop.log beside it).
+# torch below 2.13 comes from PyPI as its CUDA build (several GB; it runs on a CPU too).
 case "${1:-}" in -h|--help) sed -n "2,/^[^#]/{/^#/s/^# \{0,1\}//p}" "$0"; exit 0 ;; esac
 set -uo pipefail
 
@@ -34,7 +34,7 @@ pins() {  # the pins of a stack, one requirement per line
     pinned) cat "$REPO/constraints.txt" ;;
     here) ;;  # the Python it is given as $ROOT/here (a test of this script)
     lowest) printf '%s\n' torch==2.4.1 transformers==4.46.0 datasets==3.0.0 accelerate==1.0.0 evaluate==0.4.3 \
-              wandb==0.19.9 "huggingface_hub==0.26.0" "tokenizers==0.20.1" "numpy<2" hydra-core==1.3.8 \
+              wandb==0.19.9 "huggingface_hub==0.26.0" "tokenizers==0.20.1" hydra-core==1.3.8 \
               omegaconf==2.3.1 "sqlalchemy<2" ;;
     gpu) printf '%s\n' torch==2.11.0 transformers==5.17.0 huggingface_hub==1.33.0 accelerate==1.15.0 \
            hydra-core==1.3.8 omegaconf==2.3.1 "sqlalchemy<2" ;;
@@ -86,7 +86,8 @@ for stack in "${STACKS[@]}"; do
   fi
   echo "[versions] $stack: the fast loop" >&2
   if [ -n "${FAST:-}" ]; then sel=(tests/test_significance.py); else sel=(-m "not slow"); fi
-  loop=$(cd "$REPO" && "$venv/bin/python" -m pytest -q -p no:cacheprovider "${sel[@]}" 2>&1 | tail -1)
+  (cd "$REPO" && "$venv/bin/python" -m pytest -q -p no:cacheprovider -rfE "${sel[@]}" > "$ROOT/$stack-loop.log" 2>&1)
+  loop=$(tail -1 "$ROOT/$stack-loop.log")
   echo "[versions] $stack: tiny runs" >&2
   runs=$(tiny_runs "$venv" "$out")
   rows+=("| $stack | $(versions "$venv") | $loop | $runs |")
