@@ -94,9 +94,11 @@ def online(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(M, "_REACHABLE", {})
-    huggingface_hub.close_session()
+    # a new client: huggingface_hub 1.x's httpx one, or before 1.0 new requests pools
+    fresh = getattr(huggingface_hub, "close_session", None) or huggingface_hub.utils.reset_sessions
+    fresh()
     yield monkeypatch
-    huggingface_hub.close_session()  # the next client must not inherit a test proxy
+    fresh()  # the next client must not inherit a test proxy
 
 
 def timed_reachable() -> tuple[bool, float]:

@@ -10,8 +10,8 @@ summed over its parametrizations, since tests/conftest.py marks a test's every p
 its node id without parameters. The file is replaced atomically; its header says how it was made.
 ``--junit`` reads a report written by ``python -m pytest --junitxml=report.xml`` (pytest's default
 ``junit_duration_report = total``: setup, call and teardown); without it the script runs the whole
-suite itself with that option. A session-scoped fixture's set-up counts in the first test that asks
-for it, so a test can move in or out of the list when the order of the suite changes.
+suite itself with that option. A fixture shared by several tests counts its set-up in the first test
+that asks for it, so a test can move in or out of the list when the order of the suite changes.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
 #     KINDS="classification qa" bash ...              (only these tiny runs)
 #
 # In each: the fast test loop (pytest -m "not slow"), then one tiny run of each task kind on real
-# data where ../shared/data (or $KDRUN_DATA) has it: labelled classification (toy), regression
+# data where shared/data beside the repository (or $KDRUN_DATA) has it: labelled classification (toy), regression
 # (STS-B), extractive QA (SQuAD), a raw-text corpus (Wikipedia). Prints one table row per stack
 # (its versions, the loop's counts, each tiny run's exit status) and writes the table to
 # $KDRUN_VERSIONS_DIR/versions.md (each loop's output, failures named: <stack>-loop.log beside it).
@@ -24,7 +24,7 @@ set -uo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 ROOT=${KDRUN_VERSIONS_DIR:-/tmp/kdrun-versions}
 PYTHON=${PYTHON:-python3}
-DATA=${KDRUN_DATA:-$REPO/../shared/data}
+DATA=${KDRUN_DATA:-$(dirname "$REPO")/shared/data}
 STACKS=("$@")
 [ ${#STACKS[@]} -eq 0 ] && STACKS=(pinned lowest gpu)
 mkdir -p "$ROOT"
@@ -33,8 +33,8 @@ pins() {  # the pins of a stack, one requirement per line
   case "$1" in
     pinned) cat "$REPO/constraints.txt" ;;
     here) ;;  # the Python it is given as $ROOT/here (a test of this script)
-    lowest) printf '%s\n' torch==2.4.1 transformers==4.46.0 datasets==3.0.0 accelerate==1.0.0 evaluate==0.4.3 \
-              wandb==0.19.9 "huggingface_hub==0.26.0" "tokenizers==0.20.1" hydra-core==1.3.8 \
+    lowest) printf '%s\n' torch==2.4.1 transformers==5.0.0 datasets==3.0.0 accelerate==1.0.0 evaluate==0.4.3 \
+              wandb==0.19.9 "huggingface_hub==1.3.0" hydra-core==1.3.8 \
               omegaconf==2.3.1 "sqlalchemy<2" ;;
     gpu) printf '%s\n' torch==2.11.0 transformers==5.17.0 huggingface_hub==1.33.0 accelerate==1.15.0 \
            hydra-core==1.3.8 omegaconf==2.3.1 "sqlalchemy<2" ;;

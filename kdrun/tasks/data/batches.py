@@ -122,9 +122,10 @@ def _tokenize(dsd, tokenizer, max_seq_length: int, num_proc: int | None, pair: b
             import datasets
 
             from kdrun.runtime.cache import content_hash
+            from kdrun.tasks.data.common import list_of
 
             feats = datasets.Features({**tok.features,
-                                       "spans": datasets.List(datasets.List(datasets.Value("int32")))})
+                                       "spans": list_of(list_of(datasets.Value("int32")))})
             tok = tok.map(
                 add_spans,
                 batched=True,

@@ -26,6 +26,12 @@ class DataError(UserError, ValueError):
 # Task config (typed: kdrun.config.TaskConfig)
 
 
+def list_of(inner: Any) -> Any:
+    """A list column of ``inner``: ``datasets.List`` (datasets 4 and later), ``datasets.Sequence``
+    before it."""
+    return (getattr(datasets, "List", None) or datasets.Sequence)(inner)
+
+
 def task_splits(task: Any) -> list[str]:
     """The train split followed by the eval splits, without duplicates."""
     out = [str(task.train_split)]

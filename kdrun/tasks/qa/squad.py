@@ -29,7 +29,7 @@ import datasets
 import numpy as np
 
 from kdrun.config import task_config
-from kdrun.tasks.data.common import DataError, task_splits
+from kdrun.tasks.data.common import DataError, list_of, task_splits
 from kdrun.tasks.data.hub import check_hub, load_hub
 
 DEFAULT_FILES = {"train": "train-v1.1.json", "validation": "dev-v1.1.json"}
@@ -42,8 +42,8 @@ FEATURES = datasets.Features({
     "title": datasets.Value("string"),
     "context": datasets.Value("string"),
     "question": datasets.Value("string"),
-    "answers": {"text": datasets.List(datasets.Value("string")),
-                "answer_start": datasets.List(datasets.Value("int32"))},
+    "answers": {"text": list_of(datasets.Value("string")),
+                "answer_start": list_of(datasets.Value("int32"))},
     "idx": datasets.Value("int64"),
 })
 

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import datasets
 
-from kdrun.tasks.data.common import DataError
+from kdrun.tasks.data.common import DataError, list_of
 
 # Bumped when the layout of cached windows changes.
 WINDOWS_VERSION = "1"
@@ -95,17 +95,17 @@ def make_windows(rows: dict[str, list[Any]], tokenizer: Any, max_seq_length: int
 
 
 def _features(for_eval: bool, token_types: bool, spans: bool) -> datasets.Features:
-    ints = datasets.List(datasets.Value("int32"))
-    cols: dict[str, Any] = {"input_ids": ints, "attention_mask": datasets.List(datasets.Value("int8"))}
+    ints = list_of(datasets.Value("int32"))
+    cols: dict[str, Any] = {"input_ids": ints, "attention_mask": list_of(datasets.Value("int8"))}
     if token_types:
-        cols["token_type_ids"] = datasets.List(datasets.Value("int8"))
+        cols["token_type_ids"] = list_of(datasets.Value("int8"))
     cols |= {"labels": ints, "length": datasets.Value("int32"), "idx": datasets.Value("int64")}
     if for_eval:
         cols |= {"example_idx": datasets.Value("int64"), "example_id": datasets.Value("string"),
-                 "offset_mapping": datasets.List(ints), "context": datasets.Value("string"),
-                 "answers": datasets.List(datasets.Value("string"))}
+                 "offset_mapping": list_of(ints), "context": datasets.Value("string"),
+                 "answers": list_of(datasets.Value("string"))}
     if spans:
-        cols["spans"] = datasets.List(ints)
+        cols["spans"] = list_of(ints)
     return datasets.Features(cols)
 
 
