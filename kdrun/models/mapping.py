@@ -320,9 +320,10 @@ class LayerMap(nn.Module):
                         out.update({f"s{r.student}/t{t}": x for t, x in zip(r.teachers, w.tolist())})
         elif self.strategy == "attention":
             for r, w, h in zip(self.rows, self.last_sample_weights, self.last_sample_entropy):
-                if w is not None:
-                    out.update({f"s{r.student}/t{t}": x for t, x in zip(r.teachers, w.tolist())})
-                    out[f"s{r.student}/entropy"] = float(h)
+                if w is not None:  # one host read per student layer: the weights and the entropy together
+                    *vals, ent = torch.cat([w.reshape(-1), h.reshape(1).to(w.dtype)]).tolist()
+                    out.update({f"s{r.student}/t{t}": x for t, x in zip(r.teachers, vals)})
+                    out[f"s{r.student}/entropy"] = ent
         return out
 
 
