@@ -33,7 +33,7 @@ pins() {  # the pins of a stack, one requirement per line
   case "$1" in
     pinned) cat "$REPO/constraints.txt" ;;
     here) ;;  # the Python it is given as $ROOT/here (a test of this script)
-    lowest) printf '%s\n' torch==2.4.1 transformers==5.0.0 datasets==3.0.0 accelerate==1.0.0 evaluate==0.4.3 \
+    lowest) printf '%s\n' torch==2.7.1 transformers==5.0.0 datasets==3.0.0 accelerate==1.0.0 evaluate==0.4.3 \
               wandb==0.19.9 "huggingface_hub==1.3.0" hydra-core==1.3.8 \
               omegaconf==2.3.1 "sqlalchemy<2" ;;
     gpu) printf '%s\n' torch==2.11.0 transformers==5.17.0 huggingface_hub==1.33.0 accelerate==1.15.0 \
