@@ -562,10 +562,12 @@ def cost_summary(runs: Runs, out: Path) -> str:
         return "**Measured:** no run of the recipe has finished yet."
     kinds = sorted({f"{m.device or '?'} {PRECISION_NAMES.get(m.precision, m.precision or '?')}" for m in every})
     threads = sorted({m.threads or "?" for m in every})
-    run_s = sum(m.run_seconds for m in every)
+    run_s, wall = sum(m.run_seconds for m in every), wall_time(out)
+    walls = (f"the wall time of the recipe's invocations on this output folder, teacher fine-tuning included, "
+             f"{wall / 3600:.2f} hours (runs that the runs CSV recorded from other folders not included)"
+             if wall > 0 else "the recipe's wall time not recorded in this output folder")
     return (f"**Measured:** {len(every)} runs finished ({', '.join(kinds)}; compute threads per run: "
-            f"{', '.join(threads)}); their run times sum to {run_s / 3600:.2f} hours; the recipe's wall time, "
-            f"teacher fine-tuning included, {wall_time(out) / 3600:.2f} hours over its invocations.")
+            f"{', '.join(threads)}); their run times sum to {run_s / 3600:.2f} hours; {walls}.")
 
 
 def cost_table(runs: Runs, tasks: tuple[str, ...] = ("cola", "sst2", "stsb"), seeds: int = MIN_SEEDS) -> str:
