@@ -94,11 +94,9 @@ def online(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(M, "_REACHABLE", {})
-    # a new client: huggingface_hub 1.x's httpx one, or before 1.0 new requests pools
-    fresh = getattr(huggingface_hub, "close_session", None) or huggingface_hub.utils.reset_sessions
-    fresh()
+    huggingface_hub.close_session()
     yield monkeypatch
-    fresh()  # the next client must not inherit a test proxy
+    huggingface_hub.close_session()  # the next client must not inherit a test proxy
 
 
 def timed_reachable() -> tuple[bool, float]:

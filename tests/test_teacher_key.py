@@ -400,8 +400,8 @@ def test_run_train_settings_leave_the_teachers_weights_unchanged(tmp_path: Path)
 
 
 def test_a_cached_teacher_file_says_it_holds_pytorch_weights(tmp_path) -> None:
-    """The teacher's model.safetensors carries ``format: pt``, as save_pretrained's does: transformers
-    before 4.47 (within pyproject's range) refuses a file without it when it loads the cached teacher."""
+    """The teacher's model.safetensors carries ``format: pt``, as save_pretrained's does (transformers
+    4.x refuses a file without it when it loads the cached teacher), and loads back unchanged."""
     from safetensors import safe_open
     from transformers import BertConfig, BertForSequenceClassification
 

@@ -361,8 +361,8 @@ def save_model_files(model: Any, out: Path) -> None:
 
     transformers writes nothing on a process other than rank 0 once torch.distributed is up, but in
     a data-parallel run whichever process holds the cache lock fine-tunes and saves the teacher.
-    The file carries ``format: pt`` as save_pretrained's does: transformers before 4.47 refuses to
-    load a safetensors file without it.
+    The file carries ``format: pt`` as save_pretrained's does: transformers 4.x refuses to load a
+    safetensors file without it, so any reader of the cache can load the teacher.
     """
     from safetensors.torch import save_model
 

@@ -104,8 +104,8 @@ def angle_sum(g, c, inv, valid, window, loss: str, beta: float, chunk_elems: int
     return _angle_op(g, c, inv, valid, window, loss, float(beta), int(chunk_elems), bool(want))[0]
 
 
-# The schema is given, not inferred: torch 2.4's inference cannot read the postponed annotations of
-# this module (``from __future__ import annotations``).
+# The schema is given, not inferred from the annotations, which this module postpones
+# (``from __future__ import annotations``) and which older torch's inference could not read.
 @torch.library.custom_op("kdrun::angle_sum", mutates_args=(), schema=(
     "(Tensor g, Tensor c, Tensor inv, Tensor valid, int? window, str loss, float beta, int chunk_elems, bool want)"
     " -> (Tensor, Tensor, Tensor, Tensor)"))

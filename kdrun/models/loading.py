@@ -113,22 +113,10 @@ def resolve_reference(ref: str, fallback_hub_id: str | None = None, *, what: str
         reason = "HF_HUB_OFFLINE=1 is set" if hub_offline() else "the Hugging Face hub is unreachable"
         raise ModelUnavailableError(
             f"{what}: '{ref}' is a hub model that is not in the local cache and {reason}. "
-            f"Download it where you have network access ({_hub_cli()} download {ref}) or use "
+            f"Download it where you have network access (hf download {ref}) or use "
             f"{OFFLINE_CHOICES}."
         )
     return ref
-
-
-def _hub_cli() -> str:
-    """huggingface_hub's command line as the installed version names it: ``hf`` (0.34 and later),
-    ``huggingface-cli`` before."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        scripts = {e.name for e in distribution("huggingface_hub").entry_points if e.group == "console_scripts"}
-    except PackageNotFoundError:
-        return "hf"
-    return "hf" if "hf" in scripts or "huggingface-cli" not in scripts else "huggingface-cli"
 
 
 def load_tokenizer(ref: str):

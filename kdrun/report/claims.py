@@ -38,7 +38,16 @@ from kdrun.report.claims_plan import (
     steps,
 )
 from kdrun.report.results import RunRecord, collect
-from kdrun.report.significance import above_p, bh_qvalues, joint_mde, paired_t_p, seeds_needed, sign_flip_p, tost_p
+from kdrun.report.significance import (
+    SEEDS_MOST,
+    above_p,
+    bh_qvalues,
+    joint_mde,
+    paired_t_p,
+    seeds_needed,
+    sign_flip_p,
+    tost_p,
+)
 from kdrun.runtime.cache import write_text_atomic
 
 MIN_SEEDS = 6
@@ -298,8 +307,9 @@ def _equivalence_verdict(st: Stats, sig: int) -> str:
 def _reason(delta: float | None, st: Stats, why: str) -> str:
     """Why a difference was not detected: power (the paper's effect below the MDE) or otherwise."""
     if delta is not None and st.mde is not None and abs(delta) < st.mde:
-        need = seeds_needed(delta, st.sd) if st.sd else None
-        seeds = f"; at this sd ≥ {need} seeds would detect it" if need else "; more than 1000 seeds would detect it"
+        need = seeds_needed(delta, st.sd)  # st.sd > 0 here: an MDE of 0 is below no paper effect
+        seeds = f"at this sd ≥ {need}" if need else f"more than {SEEDS_MOST}"
+        seeds = f"; {seeds} seeds would detect it"
         return f"power (the paper's {delta:+.1f} is below the MDE {st.mde:.2f}{seeds})"
     base = f"no difference above the MDE {_f(st.mde)}"
     if delta is not None:

@@ -209,7 +209,11 @@ def min_detectable_effect(n: int, sd: float, alpha: float = 0.05, power: float =
     return float((stats.t.ppf(1 - alpha / 2, n - 1) + stats.t.ppf(power, n - 1)) * sd / math.sqrt(n))
 
 
-def seeds_needed(effect: float, sd: float, alpha: float = 0.05, power: float = POWER, most: int = 1000) -> int | None:
+SEEDS_MOST = 1000  # seeds_needed looks no further
+
+
+def seeds_needed(effect: float, sd: float, alpha: float = 0.05, power: float = POWER,
+                 most: int = SEEDS_MOST) -> int | None:
     """The fewest pairs with which a paired t-test detects a true difference ``effect`` with
     probability ``power`` when the differences spread by ``sd``: the smallest n whose
     min_detectable_effect is at most ``|effect|``. A lower bound for the rule needing the sign-flip
@@ -217,6 +221,7 @@ def seeds_needed(effect: float, sd: float, alpha: float = 0.05, power: float = P
     10). None above ``most``, with no spread, or without scipy."""
     if not sd or sd <= 0 or not effect:
         return None
+
     def short(n: int) -> bool:
         return (min_detectable_effect(n, sd, alpha, power) or math.inf) > abs(effect)
 
