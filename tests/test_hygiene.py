@@ -20,7 +20,9 @@ TEXT = (".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".sh", ".cfg", ".ini", "
 def tracked_files() -> list[str]:
     out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout.split()
-    return [f for f in out if f.endswith(TEXT) and f != "tests/test_hygiene.py" and (REPO / f).is_file()]
+    venvs = tuple(f"{cfg.parent.name}/" for cfg in REPO.glob("*/pyvenv.cfg"))  # a user's `python3 -m venv v`
+    return [f for f in out if f.endswith(TEXT) and f != "tests/test_hygiene.py" and not f.startswith(venvs)
+            and (REPO / f).is_file()]
 
 
 def test_no_development_text() -> None:
