@@ -211,7 +211,7 @@ def test_bench_store_fast_mode(tmp_path: Path) -> None:
     with redirect_stdout(buf):
         load_script("bench/store").main(["--fast", "--out", str(tmp_path / "b"), "--cache", str(tmp_path / "c")])
     res = json.loads((tmp_path / "b" / "bench_store.json").read_text())
-    # two entries for 4 runs: logits (logit's stage and minilm's prediction stage share it) and
+    # two entries for 2 runs: logits (logit's stage and minilm's prediction stage share it) and
     # minilm's Q/K/V; each built by one pass over the 160 toy rows
     assert res["off"]["entries"] == 0 and res["on"]["entries"] == 2
     assert res["on"]["teacher_rows"] == 2 * 160 < res["off"]["teacher_rows"]
