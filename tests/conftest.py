@@ -16,7 +16,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _share_the_cores_among_workers() -> None:
-    """Under pytest-xdist (the suite runs with ``-n auto``, see pyproject.toml) every worker and each
+    """Under pytest-xdist (the suite runs with ``-n auto --dist loadfile``, see pyproject.toml: a
+    test file's tests run in one worker, so a module-scoped set-up is made once) every worker and each
     process it starts (a kdrun run, a script) takes its share of the cores, ``cores // workers``, as
     ``OMP_NUM_THREADS``, set here before any test imports torch: without it each worker's torch and
     each run's would start a thread per core and the workers would thrash (kdrun divides the cores
@@ -117,23 +118,9 @@ def slow_test_ids() -> frozenset[str]:
     return frozenset(s for s in (line.split("#")[0].strip() for line in text.splitlines()) if s)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items) -> None:
-    """Mark the tests of tests/slow.txt slow (`python -m pytest -m "not slow"`: the fast loop) and group
-    the tests of a module that share its set-up (see shares_a_module_fixture)."""
+    """Mark the tests of tests/slow.txt slow (`python -m pytest -m "not slow"`: the fast loop)."""
     slow = slow_test_ids()
     for item in items:
         if item.nodeid.split("[")[0] in slow:
             item.add_marker(pytest.mark.slow)
-        if shares_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
-def shares_a_module_fixture(item) -> bool:
-    """Whether the test uses a fixture set up once per module (or class): pytest-xdist's ``--dist
-    loadgroup`` then sends the module's tests of that group to one worker, so the set-up (a device-check
-    rehearsal, op counts at the papers' shape, a trained run the tests read) is made once, not once
-    per worker; every other test goes to whichever worker is free."""
-    info = getattr(item, "_fixtureinfo", None)
-    defs = info.name2fixturedefs.values() if info else ()
-    return any(d and d[-1].scope in ("module", "class", "package") for d in defs)

@@ -330,16 +330,14 @@ def test_versions_script_tabulates_a_stack(tmp_path: Path) -> None:
 def test_slow_tests_script_lists_tests_by_their_summed_durations(tmp_path: Path) -> None:
     """scripts/checks/slow_tests.py on a hand-written JUnit report: a test is slow when its
     parametrizations together take the threshold or more (conftest marks them all by one id), a test
-    of a class keeps its class in the id, a pytest-xdist group's suffix (``@test_b``) is no part of it,
-    cases outside tests/ are ignored; --check compares."""
+    of a class keeps its class in the id, cases outside tests/ are ignored; --check compares."""
     junit = tmp_path / "report.xml"
     junit.write_text(
         '<testsuites><testsuite name="pytest">'
         '<testcase classname="tests.test_a" name="test_one[x]" time="1.2"/>'
         '<testcase classname="tests.test_a" name="test_one[y]" time="0.9"/>'
         '<testcase classname="tests.test_a" name="test_two" time="1.99"/>'
-        '<testcase classname="tests.test_b.TestK" name="test_three@test_b" time="4"/>'
-        '<testcase classname="tests.test_b.TestK" name="test_three[z]@test_b" time="1"/>'
+        '<testcase classname="tests.test_b.TestK" name="test_three" time="5"/>'
         '<testcase classname="other.test_c" name="test_four" time="9"/>'
         '</testsuite></testsuites>')
     mod = load_script("checks/slow_tests")

@@ -43,7 +43,7 @@ def node_id(case: ET.Element) -> str | None:
         return None
     parts = cls.split(".")
     path = "/".join(parts[:2]) + ".py"
-    inner = "::".join(parts[2:] + [name.split("[")[0].split("@")[0]])  # no parameters, no xdist group
+    inner = "::".join(parts[2:] + [name.split("[")[0]])
     return f"{path}::{inner}"
 
 
