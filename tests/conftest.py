@@ -16,8 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _share_the_cores_among_workers() -> None:
-    """Under pytest-xdist (the suite runs with ``-n auto --dist loadfile``, see pyproject.toml: a
-    test file's tests run in one worker, so a module-scoped set-up is made once) every worker and each
+    """Under pytest-xdist (the suite runs with ``-n auto``, see pyproject.toml) every worker and each
     process it starts (a kdrun run, a script) takes its share of the cores, ``cores // workers``, as
     ``OMP_NUM_THREADS``, set here before any test imports torch: without it each worker's torch and
     each run's would start a thread per core and the workers would thrash (kdrun divides the cores
