@@ -9,6 +9,8 @@ from types import ModuleType
 
 import pytest
 
+from kdrun.runtime.threads import usable_cores  # stdlib only: torch is not imported yet
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -23,7 +25,7 @@ def _share_the_cores_among_workers() -> None:
     only among kdrun runs, not among test workers). A user's own OMP_NUM_THREADS is kept."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
     if workers > 1 and not os.environ.get("OMP_NUM_THREADS"):
-        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, usable_cores() // workers))
 
 
 _share_the_cores_among_workers()
@@ -117,9 +119,21 @@ def slow_test_ids() -> frozenset[str]:
     return frozenset(s for s in (line.split("#")[0].strip() for line in text.splitlines()) if s)
 
 
+def shared_setups(item) -> set[tuple[str, str]]:
+    """(module, fixture name) of each fixture the test uses that is set up once per module or class."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.items() if info else ()
+    return {(item.module.__name__, name) for name, d in defs if d and d[-1].scope in ("module", "class", "package")}
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Mark the tests of tests/slow.txt slow (`python -m pytest -m "not slow"`: the fast loop)."""
+    """Mark the tests of tests/slow.txt slow (`python -m pytest -m "not slow"`: the fast loop), and
+    with them every test sharing a module-scoped set-up with one: a report times such a set-up in the
+    first test that asks for it, which may be another test in another run (another worker, another
+    order), and the fast loop must not pay for it through a test left in."""
     slow = slow_test_ids()
+    listed = [item for item in items if item.nodeid.split("[")[0] in slow]
+    setups = set().union(*map(shared_setups, listed))
     for item in items:
-        if item.nodeid.split("[")[0] in slow:
+        if item in listed or shared_setups(item) & setups:
             item.add_marker(pytest.mark.slow)
