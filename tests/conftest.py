@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib.util
 import os
 from pathlib import Path
@@ -113,10 +115,22 @@ def no_leftover_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     assert not left, f"processes still running after the test: {left}"
 
 
+SLOW_TXT = Path(__file__).parent / "slow.txt"
+
+
 def slow_test_ids() -> frozenset[str]:
     """tests/slow.txt: the node ids (without parameters) of the tests the fast loop leaves out."""
-    text = (Path(__file__).parent / "slow.txt").read_text()
-    return frozenset(s for s in (line.split("#")[0].strip() for line in text.splitlines()) if s)
+    return frozenset(slow_test_seconds())
+
+
+def slow_test_seconds(path: Path = SLOW_TXT) -> dict[str, float]:
+    """Node id (without parameters) -> the seconds tests/slow.txt gives it (0 where it gives none)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        nid, _, note = (part.strip() for part in line.partition("#"))
+        if nid:
+            out[nid] = float(note.split()[0]) if note[:1].isdigit() else 0.0
+    return out
 
 
 def shared_setups(item) -> set[tuple[str, str]]:
@@ -137,3 +151,54 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item in listed or shared_setups(item) & setups:
             item.add_marker(pytest.mark.slow)
+
+
+SHARED_SCOPES = ("module", "class", "package")
+
+
+@functools.cache
+def makes_shared_setups(module: Path) -> bool:
+    """Whether a test module defines a fixture made once per module, class or package (its source
+    read, not imported)."""
+    if module.suffix != ".py" or not module.is_file():
+        return False
+    calls = (n for n in ast.walk(ast.parse(module.read_text(encoding="utf-8"))) if isinstance(n, ast.Call))
+    return any(getattr(c.func, "attr", getattr(c.func, "id", None)) == "fixture" and any(
+        k.arg == "scope" and isinstance(k.value, ast.Constant) and k.value.value in SHARED_SCOPES
+        for k in c.keywords) for c in calls)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """The suite's distribution over pytest-xdist's workers (``-n auto``, whose default ``--dist load``
+    it replaces; another ``--dist`` is left to pytest-xdist). Two changes to sending tests singly:
+
+    * the tests of a module that defines a module- or class-scoped fixture go to one worker together,
+      in order, so its set-up is made once: sent singly, a worker that runs another module's test in
+      between tears the set-up down and makes it again, and the SLURM tests' cluster, started by one
+      worker, could be stopped under a test of the other;
+    * the units start longest first by tests/slow.txt's seconds (ties: the unit of more tests first,
+      pytest-xdist's own order), so a long test does not start last and leave a worker idle at the end."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    seconds = slow_test_seconds()
+
+    class SharedSetupsLongestFirst(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if makes_shared_setups(config.rootpath / module) else nodeid
+
+        def _assign_work_unit(self, node) -> None:
+            if not getattr(self, "ordered", False):  # the first call: the queue is whole
+                def unit_seconds(unit) -> float:
+                    return sum(seconds.get(base, 0.0) for base in {nodeid.split("[")[0] for nodeid in unit[1]})
+
+                units = sorted(self.workqueue.items(), key=unit_seconds, reverse=True)  # stable
+                self.workqueue.clear()
+                self.workqueue.update(units)
+                self.ordered = True
+            super()._assign_work_unit(node)
+
+    return SharedSetupsLongestFirst(config, log)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import conftest
 from tests.conftest import REPO, load_script
 from tests.test_dynabert import TINY_DYNABERT_RUN
 
@@ -330,7 +331,8 @@ def test_versions_script_tabulates_a_stack(tmp_path: Path) -> None:
 def test_slow_tests_script_lists_tests_by_their_summed_durations(tmp_path: Path) -> None:
     """scripts/checks/slow_tests.py on a hand-written JUnit report: a test is slow when its
     parametrizations together take the threshold or more (conftest marks them all by one id), a test
-    of a class keeps its class in the id, cases outside tests/ are ignored; --check compares."""
+    of a class keeps its class in the id, cases outside tests/ are ignored, each id carries its
+    seconds (conftest reads them back); --check compares."""
     junit = tmp_path / "report.xml"
     junit.write_text(
         '<testsuites><testsuite name="pytest">'
@@ -346,6 +348,8 @@ def test_slow_tests_script_lists_tests_by_their_summed_durations(tmp_path: Path)
     out = tmp_path / "slow.txt"
     assert mod.main(["--junit", str(junit), "--out", str(out)]) == 0
     ids = [line for line in out.read_text().splitlines() if line and not line.startswith("#")]
-    assert ids == ["tests/test_a.py::test_one", "tests/test_b.py::TestK::test_three"]
+    assert ids == ["tests/test_a.py::test_one  # 2 s", "tests/test_b.py::TestK::test_three  # 5 s"]
+    assert conftest.slow_test_seconds(out) == pytest.approx({"tests/test_a.py::test_one": 2.0,
+                                                             "tests/test_b.py::TestK::test_three": 5.0})
     assert mod.main(["--junit", str(junit), "--out", str(out), "--check"]) == 0
     assert mod.main(["--junit", str(junit), "--out", str(out), "--check", "--threshold", "1.5"]) == 1

@@ -30,7 +30,8 @@ HEADER = """\
 # Tests that take {threshold:g} s or more on a 2-core CPU, summed over their parametrizations (setup,
 # call and teardown), written by scripts/checks/slow_tests.py from a run of the whole suite;
 # tests/conftest.py marks each of them slow, so `python -m pytest -q -m "not slow"` is the fast inner
-# loop. A test listed here that no longer exists fails tests/test_fast_loop.py.
+# loop, and the suite's workers start them longest first (the seconds after each). A test listed
+# here that no longer exists fails tests/test_fast_loop.py.
 
 """
 
@@ -61,8 +62,12 @@ def slow_ids(times: dict[str, float], threshold: float) -> list[str]:
     return sorted(nid for nid, t in times.items() if t >= threshold)
 
 
-def render(ids: list[str], threshold: float) -> str:
-    return HEADER.format(threshold=threshold) + "".join(f"{nid}\n" for nid in ids)
+def render(ids: list[str], threshold: float, times: dict[str, float] | None = None) -> str:
+    """The file: its header, then one id a line with its measured seconds as a comment (the suite's
+    workers start the longest tests first: tests/conftest.py)."""
+    times = times or {}
+    return HEADER.format(threshold=threshold) + "".join(
+        f"{nid}  # {times[nid]:.0f} s\n" if nid in times else f"{nid}\n" for nid in ids)
 
 
 def run_suite(junit: Path) -> None:
@@ -85,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             run_suite(junit)
         times = durations(junit)
     ids = slow_ids(times, a.threshold)
-    text = render(ids, a.threshold)
+    text = render(ids, a.threshold, times)
     total = sum(times.values())
     fast = sum(t for t in times.values() if t < a.threshold)
     print(f"[slow_tests] {len(times)} tests, {total / 60:.1f} min in all; {len(ids)} of {a.threshold:g} s or "
