@@ -116,6 +116,7 @@ def no_leftover_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 SLOW_TXT = Path(__file__).parent / "slow.txt"
+SHARED_SCOPES = ("module", "class", "package")  # fixture scopes whose set-up several tests share
 
 
 def slow_test_ids() -> frozenset[str]:
@@ -137,7 +138,7 @@ def shared_setups(item) -> set[tuple[str, str]]:
     """(module, fixture name) of each fixture the test uses that is set up once per module or class."""
     info = getattr(item, "_fixtureinfo", None)
     defs = info.name2fixturedefs.items() if info else ()
-    return {(item.module.__name__, name) for name, d in defs if d and d[-1].scope in ("module", "class", "package")}
+    return {(item.module.__name__, name) for name, d in defs if d and d[-1].scope in SHARED_SCOPES}
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -151,9 +152,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item in listed or shared_setups(item) & setups:
             item.add_marker(pytest.mark.slow)
-
-
-SHARED_SCOPES = ("module", "class", "package")
 
 
 @functools.cache
@@ -186,12 +184,14 @@ def pytest_xdist_make_scheduler(config, log):
     seconds = slow_test_seconds()
 
     class SharedSetupsLongestFirst(LoadScopeScheduling):
+        ordered = False  # the work queue sorted longest first (on the first assignment, when it is whole)
+
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
             return module if makes_shared_setups(config.rootpath / module) else nodeid
 
         def _assign_work_unit(self, node) -> None:
-            if not getattr(self, "ordered", False):  # the first call: the queue is whole
+            if not self.ordered:
                 def unit_seconds(unit) -> float:
                     return sum(seconds.get(base, 0.0) for base in {nodeid.split("[")[0] for nodeid in unit[1]})
 

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import conftest
-from tests.conftest import REPO, load_script
+from tests.conftest import REPO, load_script, slow_test_seconds
 from tests.test_dynabert import TINY_DYNABERT_RUN
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline",
@@ -349,7 +348,7 @@ def test_slow_tests_script_lists_tests_by_their_summed_durations(tmp_path: Path)
     assert mod.main(["--junit", str(junit), "--out", str(out)]) == 0
     ids = [line for line in out.read_text().splitlines() if line and not line.startswith("#")]
     assert ids == ["tests/test_a.py::test_one  # 2 s", "tests/test_b.py::TestK::test_three  # 5 s"]
-    assert conftest.slow_test_seconds(out) == pytest.approx({"tests/test_a.py::test_one": 2.0,
-                                                             "tests/test_b.py::TestK::test_three": 5.0})
+    assert slow_test_seconds(out) == pytest.approx({"tests/test_a.py::test_one": 2.0,
+                                                    "tests/test_b.py::TestK::test_three": 5.0})
     assert mod.main(["--junit", str(junit), "--out", str(out), "--check"]) == 0
     assert mod.main(["--junit", str(junit), "--out", str(out), "--check", "--threshold", "1.5"]) == 1

@@ -62,12 +62,10 @@ def slow_ids(times: dict[str, float], threshold: float) -> list[str]:
     return sorted(nid for nid, t in times.items() if t >= threshold)
 
 
-def render(ids: list[str], threshold: float, times: dict[str, float] | None = None) -> str:
+def render(ids: list[str], threshold: float, times: dict[str, float]) -> str:
     """The file: its header, then one id a line with its measured seconds as a comment (the suite's
     workers start the longest tests first: tests/conftest.py)."""
-    times = times or {}
-    return HEADER.format(threshold=threshold) + "".join(
-        f"{nid}  # {times[nid]:.0f} s\n" if nid in times else f"{nid}\n" for nid in ids)
+    return HEADER.format(threshold=threshold) + "".join(f"{nid}  # {times[nid]:.0f} s\n" for nid in ids)
 
 
 def run_suite(junit: Path) -> None:
