@@ -327,7 +327,7 @@ def test_versions_script_tabulates_a_stack(tmp_path: Path) -> None:
     assert (tmp_path / "versions.md").read_text() == out.stdout
 
 
-def test_slow_tests_script_lists_tests_by_their_summed_durations(tmp_path: Path) -> None:
+def test_slow_tests_script_lists_tests_by_their_summed_durations(tmp_path: Path, capsys) -> None:
     """scripts/checks/slow_tests.py on a hand-written JUnit report: a test is slow when its
     parametrizations together take the threshold or more (conftest marks them all by one id), a test
     of a class keeps its class in the id, cases outside tests/ are ignored, each id carries its
@@ -352,3 +352,6 @@ def test_slow_tests_script_lists_tests_by_their_summed_durations(tmp_path: Path)
                                                     "tests/test_b.py::TestK::test_three": 5.0})
     assert mod.main(["--junit", str(junit), "--out", str(out), "--check"]) == 0
     assert mod.main(["--junit", str(junit), "--out", str(out), "--check", "--threshold", "1.5"]) == 1
+    with pytest.raises(SystemExit) as missing:
+        mod.main(["--junit", str(tmp_path / "none.xml"), "--out", str(out)])
+    assert missing.value.code == 2 and "none.xml" in capsys.readouterr().err

@@ -86,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         junit = a.junit or Path(tmp) / "report.xml"
         if a.junit is None:
             run_suite(junit)
-        times = durations(junit)
+        try:
+            times = durations(junit)
+        except (OSError, ET.ParseError) as e:
+            p.error(f"--junit {junit}: not a readable JUnit report ({e}); write one with "
+                    "`python -m pytest --junitxml=report.xml`, or leave --junit out to run the suite")
     ids = slow_ids(times, a.threshold)
     text = render(ids, a.threshold, times)
     total = sum(times.values())
