@@ -21,13 +21,20 @@ from tests import procs
 from tests.conftest import load_script
 
 
+@pytest.fixture(scope="module")
+def kill_references(tmp_path_factory) -> Path:
+    """Where the kill tests' uninterrupted runs go: the tests of one run (logger) share them
+    (``fuzz/kill.py --references``), each test's signalled runs and restarts are its own."""
+    return tmp_path_factory.mktemp("kill-references")
+
+
 @pytest.mark.usefixtures("no_leftover_processes")
 @pytest.mark.parametrize("sig,runs", [("KILL", 2), ("TERM", 1)])
-def test_fuzz_kill_fast(tmp_path: Path, sig: str, runs: int) -> None:
+def test_fuzz_kill_fast(tmp_path: Path, sig: str, runs: int, kill_references: Path) -> None:
     buf = io.StringIO()
     with redirect_stdout(buf):
         rc = load_script("fuzz/kill").main(["--fast", "--runs", str(runs), "--signal", sig, "--seed", "1",
-                                            "--out", str(tmp_path)])
+                                            "--out", str(tmp_path), "--references", str(kill_references / "none")])
     res = json.loads((tmp_path / "fuzz_kill.json").read_text())
     assert rc == 0 and res["passed"] == res["counted"] == runs and not res["failures"], buf.getvalue()
     assert f"{runs}/{runs} passed" in buf.getvalue()
@@ -44,14 +51,14 @@ def test_fuzz_kill_ddp_rank_fast(tmp_path: Path) -> None:
 
 
 @pytest.mark.usefixtures("no_leftover_processes")
-def test_fuzz_kill_wandb_fast(tmp_path: Path) -> None:
+def test_fuzz_kill_wandb_fast(tmp_path: Path, kill_references: Path) -> None:
     """SIGTERM in the student stage under logger=wandb (offline): the stopped run's wandb offline run
     and its restart's are one wandb run (the id in wandb_id.txt) holding every step once."""
     buf = io.StringIO()
     with redirect_stdout(buf):
         rc = load_script("fuzz/kill").main(["--fast", "--logger", "wandb", "--signal", "TERM", "--runs", "1",
                                             "--events", "student step 3,student step 6", "--seed", "1",
-                                            "--out", str(tmp_path)])
+                                            "--out", str(tmp_path), "--references", str(kill_references / "wandb")])
     res = json.loads((tmp_path / "fuzz_kill.json").read_text())
     assert rc == 0 and res["passed"] == res["counted"] == 1 and res["logger"] == "wandb", buf.getvalue()
     (trial,) = res["trials"]
@@ -61,14 +68,16 @@ def test_fuzz_kill_wandb_fast(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("no_leftover_processes")
 @pytest.mark.parametrize("signal,event", [("KILL", "student step 6"), ("TERM", "teacher checkpoint")])
-def test_fuzz_kill_wandb_after_a_checkpoint_or_in_the_teacher_fast(tmp_path: Path, signal: str, event: str) -> None:
+def test_fuzz_kill_wandb_after_a_checkpoint_or_in_the_teacher_fast(tmp_path: Path, signal: str, event: str,
+                                                                   kill_references: Path) -> None:
     """A SIGKILL after the student's checkpoint (the killed run's wandb service writes nothing: the
     restart logs the rows up to its checkpoint again) and a SIGTERM while the teacher fine-tunes (the
     restart keeps the wandb run id though no student checkpoint exists): one wandb run, every step once."""
     buf = io.StringIO()
     with redirect_stdout(buf):
         rc = load_script("fuzz/kill").main(["--fast", "--logger", "wandb", "--signal", signal, "--runs", "1",
-                                            "--at", "event", "--events", event, "--out", str(tmp_path)])
+                                            "--at", "event", "--events", event, "--out", str(tmp_path),
+                                            "--references", str(kill_references / "wandb")])
     res = json.loads((tmp_path / "fuzz_kill.json").read_text())
     assert rc == 0 and res["passed"] == res["counted"] == 1, buf.getvalue()
 
@@ -89,6 +98,31 @@ def test_fuzz_kill_judges_the_restart() -> None:
                               "[kdrun] resuming the teacher's fine-tuning at step 3 from /c\n") == []
     assert fk.judge({}, Path("/nonexistent"), 1, saved, ok) == ["the restart exited 1"]
     assert fk.resumed_at(ok) == {"student": 6, "teacher": None}
+
+
+def test_fuzz_kill_makes_its_uninterrupted_runs_once_per_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--references: invocations of the same run (signal, events, seed aside) make the two uninterrupted
+    runs once and reuse them; another run (here without --fast) makes its own there, in place of them."""
+    fk = load_script("fuzz/kill")
+    made: list[str] = []
+
+    def timed(cmd: list[str], log: Path) -> tuple[float, dict]:
+        made.append(log.name)
+        return 9.0, {"stage 0": 2.0, "outputs written": 8.0}
+
+    monkeypatch.setattr(fk, "timed_reference", timed)
+    monkeypatch.setattr(fk, "outcome", lambda run: {"run": str(run)})
+    monkeypatch.setattr(fk, "same", lambda a, b: [])
+    refs = tmp_path / "refs"
+    for sig in ("KILL", "TERM"):
+        got = fk.references(fk.parse_args(["--fast", "--signal", sig, "--references", str(refs)]), tmp_path / sig)
+        assert got == ({"run": str(refs / "reference" / "run")}, None, 2.0, 8.0, {"stage 0": 2.0,
+                                                                                "outputs written": 8.0})
+    assert made == ["reference.log", "timing.log"]
+    fk.references(fk.parse_args(["--references", str(refs)]), tmp_path / "full")
+    assert made == ["reference.log", "timing.log"] * 2
+    key = json.loads((refs / "references.json").read_text())["key"]
+    assert "objective.params.prediction_epochs=1" not in key["overrides"] and key["ddp"] is False
 
 
 def test_fuzz_kill_reads_a_checkpoint_left_by_a_cut_swap(tmp_path: Path) -> None:

@@ -56,6 +56,7 @@ import os
 import random
 import re
 import secrets
+import shutil
 import signal
 import socket
 import struct
@@ -96,6 +97,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="outputs/fuzz_kill")
     p.add_argument("--fast", action="store_true", help="a shorter run (one stage epoch each), for the tests")
     p.add_argument("--events", default=",".join(EVENTS), help="with --at event: the events to draw from")
+    p.add_argument("--references", default=None,
+                   help="where the two uninterrupted runs go (default: --out); reused from there when an earlier "
+                        "invocation made them for the same run (its references.json), so invocations that differ "
+                        "only in signal, events or seed share them")
     args = p.parse_args(argv)
     args.at = args.at or ("event" if args.fast else "time")
     args.events = args.events.split(",")
@@ -131,10 +136,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(args: argparse.Namespace, work: Path) -> list[str]:
+def run_overrides(args: argparse.Namespace) -> list[str]:
     extra = ["objective.params.prediction_epochs=1"] if args.fast else []
-    logger = [f"logger={args.logger}"] if args.logger != "none" else []
-    return kdrun_command([*RUN, *extra, *logger], work / "cache", work / "run", ddp=args.ddp,
+    return [*RUN, *extra, *([f"logger={args.logger}"] if args.logger != "none" else [])]
+
+
+def command(args: argparse.Namespace, work: Path) -> list[str]:
+    return kdrun_command(run_overrides(args), work / "cache", work / "run", ddp=args.ddp,
                          port=free_port() if args.ddp else 29500)
 
 
@@ -463,18 +471,40 @@ def judge(reference: dict, work: Path, restart_rc: int, saved: dict, restart_log
 def references(args: argparse.Namespace, out: Path) -> tuple[dict, list | None, float, float, dict]:
     """Two uninterrupted runs (the second timed: the first pays one-off costs, compiling and the OS's
     file cache, that the signalled runs do not), which must end identically: (the outcome, its wandb
-    history or None, the first moment to draw, the last, when each phase began)."""
-    timed_reference(command(args, out / "reference"), out / "reference.log")
-    reference = outcome(out / "reference" / "run")
-    total, marks = timed_reference(command(args, out / "timing"), out / "timing.log")
-    rows = [synced_rows([wandb_history(p) for p in wandb_logs(out / d / "run")]) for d in ("reference", "timing")]
-    if same(reference, outcome(out / "timing" / "run")) or rows[0] != rows[1]:
+    history or None, the first moment to draw, the last, when each phase began). Made in
+    ``--references`` (default ``--out``), or reused from there when its ``references.json`` was
+    written for the same run (overrides and ``--ddp``), after both runs had passed that check."""
+    where = Path(args.references) if args.references else out
+    made, key = where / "references.json", {"overrides": run_overrides(args), "ddp": args.ddp}
+    known = json.loads(made.read_text()) if made.exists() else {}
+    if known.get("key") != key:
+        made.unlink(missing_ok=True)
+        known = {"key": key, **made_references(args, where)}
+        harness.write_json(made, known)
+    else:
+        print(f"[fuzz_kill] the uninterrupted runs in {where} reused (made for the same run)", flush=True)
+    rows = synced_rows([wandb_history(p) for p in wandb_logs(where / "reference" / "run")])
+    return (outcome(where / "reference" / "run"), rows if args.logger == "wandb" else None, known["t_first"],
+            known["total"], known["marks"])
+
+
+def made_references(args: argparse.Namespace, where: Path) -> dict:
+    """Run the two uninterrupted runs in ``where`` and check they agree: when to draw (``t_first``,
+    ``total``) and when each phase began (``marks``); runs left there for another run are removed."""
+    for d in ("reference", "timing"):
+        shutil.rmtree(where / d, ignore_errors=True)
+    where.mkdir(parents=True, exist_ok=True)
+    timed_reference(command(args, where / "reference"), where / "reference.log")
+    reference = outcome(where / "reference" / "run")
+    total, marks = timed_reference(command(args, where / "timing"), where / "timing.log")
+    rows = [synced_rows([wandb_history(p) for p in wandb_logs(where / d / "run")]) for d in ("reference", "timing")]
+    if same(reference, outcome(where / "timing" / "run")) or rows[0] != rows[1]:
         raise SystemExit("two uninterrupted runs differ: the comparison cannot count anything (see timing.log)")
     if args.logger == "wandb" and not rows[0]:
         raise SystemExit("the uninterrupted run logged nothing to wandb (see reference.log)")
     t_first = min(marks.values(), default=0.0)  # start-up (imports, config) is not drawn: nothing is written then
     total = marks.get("outputs written", total)  # after the outputs only the exit is left: nothing to test
-    return reference, rows[0] if args.logger == "wandb" else None, t_first, total, marks
+    return {"t_first": t_first, "total": total, "marks": marks}
 
 
 def shown(when: float | str) -> str:
