@@ -399,6 +399,21 @@ def test_a_collapsed_arm_makes_its_rows_not_informative(tmp_path: Path) -> None:
     assert "not informative (an arm collapsed)" in summary and " 3 not informative" in summary
 
 
+def test_a_half_data_arm_is_held_against_the_student_fine_tuned_on_the_same_half(tmp_path: Path) -> None:
+    """TinyBERT's half-data arms train on 1,000 rows: their control is the student fine-tuned on those
+    (`finetune_half`), not on all 2,000; against the full-data control they would look collapsed."""
+    out = tmp_path / "claims"
+    _arm(out, "cola", "finetune", [19.0, 18.0, 20.0, 17.0, 19.0, 18.0], "matthews_correlation")
+    _arm(out, "cola", "finetune_half", [11.0, 10.0, 12.0, 9.0, 11.0, 10.0], "matthews_correlation")
+    _arm(out, "cola", "tb_half", [10.0, 10.5, 11.0, 9.5, 10.0, 9.0], "matthews_correlation")
+    assert claims.control_of("tb_half") == "finetune_half" == claims.control_of("tb_kl_half")
+    assert claims.control_of("tb_kl") == "finetune" and claims.control_of("finetune_half") == "finetune_half"
+    values = claims.values_of(claims.measured_runs(out))
+    assert claims.collapse_reason(values, "cola", "tb_half") is None  # 0.5 below its own control: learnt
+    values[("cola", "finetune_half")] = values[("cola", "finetune")]  # as if held against all the data
+    assert claims.collapse_reason(values, "cola", "tb_half").startswith("10.0 ± 0.7, below `finetune_half` (18.5)")
+
+
 def test_the_csv_records_each_runs_commit_teacher_and_steps(tmp_path: Path) -> None:
     out = tmp_path / "claims"
     _arm(out, "sst2", "tb", [80.0] * 6)

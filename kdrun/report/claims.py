@@ -30,6 +30,7 @@ from kdrun.report.claims_plan import (
     ARMS,
     CLAIMS,
     DROPPED,
+    HALF,
     NOT_TESTABLE,
     Claim,
     Row,
@@ -195,10 +196,13 @@ def side(values: dict[tuple[str, str], dict[int, float]], task: str, spec: str) 
 # ------------------------------------------------------------------------------------ collapsed arms
 
 def control_of(arm: str) -> str:
-    """The same student fine-tuned on the labels: ``finetune_l2`` for an arm of 2-layer students,
-    else ``finetune`` (the objective of the GLUE study's runs, and the recipe's 3-layer control)."""
-    spec = ARMS.get(arm)
-    return "finetune_l2" if spec is not None and "student.num_layers=2" in spec.overrides else "finetune"
+    """The same student fine-tuned on the same labels: ``finetune_l2`` for an arm of 2-layer students,
+    ``finetune_half`` for one trained on half the data (``task.max_train_samples=1000``), else
+    ``finetune`` (the objective of the GLUE study's runs, and the recipe's 3-layer control)."""
+    overrides = ARMS[arm].overrides if arm in ARMS else ()
+    if "student.num_layers=2" in overrides:
+        return "finetune_l2"
+    return "finetune_half" if HALF in overrides else "finetune"
 
 
 def collapse_reason(values: dict[tuple[str, str], dict[int, float]], task: str, arm: str) -> str | None:

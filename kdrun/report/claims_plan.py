@@ -73,6 +73,7 @@ def _tb(*extra: str, **kv: object) -> Arm:
 
 
 ONE = {"hierarchical": False}
+HALF = "task.max_train_samples=1000"  # the TinyBERT study's "half the data" (of the recipe's 2,000 rows)
 LEARN = ("mapping=learnable", "mapping.lr=1e-2")  # 189 steps: Adam moves θ by at most 1.9 (the inits are 2 apart)
 ARMS: dict[str, Arm] = {
     "ckd": Arm("ckd"), "ckd_no_wr": _ckd(wr_pair=False, wr_angle=False),
@@ -86,8 +87,8 @@ ARMS: dict[str, Arm] = {
     "pkd_l2": Arm("pkd", ("student.num_layers=2",)),
     # PKD as Passban et al. (2021) run it: the first teacher layer of each bucket (6 → 3: layers 1 and 4)
     "pkd_first": Arm("pkd", ("mapping=first",)),
-    "tb": _tb(), "tb_kl": _tb(attention_loss="kl"), "tb_half": _tb("task.max_train_samples=1000"),
-    "tb_kl_half": _tb("task.max_train_samples=1000", attention_loss="kl"),
+    "tb": _tb(), "tb_kl": _tb(attention_loss="kl"), "tb_half": _tb(HALF),
+    "tb_kl_half": _tb(HALF, attention_loss="kl"),
     "tb_random": _tb("mapping=random"), "tb_mean": _tb("mapping=mean"),
     "tb_learn_u": _tb(*LEARN, "mapping.init=uniform"), "tb_learn_l": _tb(*LEARN, "mapping.init=last"),
     "tb_a0": _tb(a=0), "tb_a1": _tb(a=1),
@@ -116,6 +117,7 @@ SHARES = "logger.grad_shares=true"  # per-term gradient shares in metrics.jsonl 
 # arms at other learning rates and three times the budget; one run each logging gradient shares.
 ARMS.update({
     "finetune": Arm("finetune"), "finetune_l2": Arm("finetune", L2), "logit_l2": Arm("logit", L2),
+    "finetune_half": Arm("finetune", (HALF,)),
     "pkd_l2_lr1e-4": Arm("pkd", (*L2, "train.lr=1e-4")), "pkd_l2_lr1e-3": Arm("pkd", (*L2, "train.lr=1e-3")),
     "pkd_l2_e9": Arm("pkd", (*L2, "train.epochs=9")), "pkd_l2_shares": Arm("pkd", (*L2, SHARES)),
     "finetune_l2_e9": Arm("finetune", (*L2, "train.epochs=9")),
@@ -146,6 +148,8 @@ class Probe:
 PROBES: tuple[Probe, ...] = (
     Probe("Controls: fine-tuned students", "each student fine-tuned on the labels: the bar a collapsed arm is "
           "measured against", ("cola", "sst2", "stsb"), ("finetune",)),
+    Probe("Controls: half the data", "the student fine-tuned on the 1,000 rows the half-data arms train on",
+          ("cola",), ("finetune_half",)),
     Probe("Controls: 2-layer students", "2-layer students fine-tuned and under logit KD", ("sst2", "stsb"),
           ("finetune_l2", "logit_l2")),
     Probe("Collapse: 2-layer STS-B", "pkd_l2 at other learning rates and three times the budget",
