@@ -617,7 +617,7 @@ def write_report(out: Path, glue_cpu_csv: Path, docs: Path | None = None, runs_p
              f"an upper bound of the mean per-example entropy, for runs that did not record it):\n\n"
              f"{attention_table(runs)}\n\n"
              f"**Every arm's dev score** (main metric x100, mean ± sd over its seeds):\n\n{arm_scores_table(runs)}\n\n"
-             f"**The arms** (each on `experiment=glue_cpu`, seeds 1–6):\n\n{arms_table()}\n\n"
+             f"**The arms** (each on `experiment=glue_cpu`, seeds 1–6, more where a row's n says so):\n\n{arms_table()}\n\n"
              f"**Not testable offline:**\n\n{not_testable_table()}\n\n"
              f"**Dropped rows** (not statements of the papers):\n\n{not_testable_table(DROPPED, 'why dropped')}\n\n"
              f"**Cost**, estimated and measured (seed runs; grid runs and teachers not included):\n\n"
