@@ -123,6 +123,9 @@ def test_fuzz_kill_makes_its_uninterrupted_runs_once_per_run(tmp_path: Path, mon
     assert made == ["reference.log", "timing.log"] * 2
     key = json.loads((refs / "references.json").read_text())["key"]
     assert "objective.params.prediction_epochs=1" not in key["overrides"] and key["ddp"] is False
+    with pytest.raises(SystemExit) as not_a_dir:
+        fk.parse_args(["--references", str(refs / "references.json")])
+    assert not_a_dir.value.code == 2
 
 
 def test_fuzz_kill_reads_a_checkpoint_left_by_a_cut_swap(tmp_path: Path) -> None:

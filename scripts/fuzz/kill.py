@@ -104,6 +104,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.at = args.at or ("event" if args.fast else "time")
     args.events = args.events.split(",")
+    if args.references and Path(args.references).exists() and not Path(args.references).is_dir():
+        p.error(f"--references {args.references}: not a directory; name a directory (made if absent) where the "
+                "uninterrupted runs go")
     if set(args.events) - set(EVENTS):
         p.error(f"--events: {', '.join(sorted(set(args.events) - set(EVENTS)))}: choose from {', '.join(EVENTS)}")
     return args
