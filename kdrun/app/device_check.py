@@ -18,9 +18,8 @@ bodies):
    and the fraction of the device's bf16 dense peak (known devices);
 2. CKD's and MGSKD's loss and gradients on the device, eager and compiled, against an fp64 CPU
    reference;
-3. a real 30-step kdrun run per step mode (kdrun's command in the check's process), with its
-   compilations (results.json), graph breaks and host syncs, and 20 steps under
-   ``torch.cuda.set_sync_debug_mode`` (CUDA only);
+3. a real 30-step ``python -m kdrun`` run per step mode, with its compilations (results.json), graph
+   breaks and host syncs, and 20 steps under ``torch.cuda.set_sync_debug_mode`` (CUDA only);
 4. MGSKD (eager and graphed), TinyBERT and MiniLM throughput;
 5. tiny runs in bf16 and fp16 and with ``teacher.store=on``, kdrun-export of a trained student, the
    fp16 overflow skip (CUDA only) and the whole kdrun-doctor.

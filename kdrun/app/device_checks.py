@@ -4,8 +4,8 @@
 
 Each check returns its figures with a ``status`` (pass / fail / skip); the runner writes them as the
 check's JSON line. ``--reference`` writes the fp64 CPU reference of the exactness check (a process
-without CUDA: kdrun's accelerator keeps the first device a process chose). A check of a kdrun run
-runs it in its own process, as ``python -m kdrun`` would, recording its graph breaks and host syncs.
+without CUDA: kdrun's accelerator keeps the first device a process chose); ``--as-kdrun`` runs
+``python -m kdrun`` in this process and records its graph breaks and host syncs.
 """
 
 from __future__ import annotations
@@ -407,18 +407,24 @@ def tiny_overrides(ctx: Ctx, extra: list[str]) -> list[str]:
             "train.device=auto", f"cache_dir={ctx.tmp / 'cache'}"]
 
 
+def kdrun_command(overrides: list[str], run_dir: Path, result: Path) -> list[str]:
+    """``python -m kdrun`` through :func:`as_kdrun` (graph breaks and host syncs written to ``result``)."""
+    return [sys.executable, "-m", "kdrun.app.device_checks", "--as-kdrun", str(result), "--",
+            *overrides, f"hydra.run.dir={run_dir}"]
+
+
 def kdrun_run(ctx: Ctx, name: str, overrides: list[str]) -> dict[str, Any]:
-    """A ``kdrun`` run in the check's own process (which runs nothing else; :func:`as_kdrun`): exit
-    status, seconds, its stages' compilations and metrics (results.json), graph breaks and host syncs."""
+    """A ``python -m kdrun`` run in its own process: exit status, seconds, its stages' compilations and
+    metrics (results.json), graph breaks and host syncs."""
     run_dir, result = ctx.tmp / "runs" / name, ctx.tmp / f"as-kdrun-{name}.json"
     t0 = time.perf_counter()
-    rc = as_kdrun(result, [*overrides, f"hydra.run.dir={run_dir}"])  # its output in the check's (a failed line's tail)
-    row: dict[str, Any] = {"rc": rc, "seconds_run": round(time.perf_counter() - t0, 1),
+    p = subprocess.run(kdrun_command(overrides, run_dir, result))  # its output in the check's (a failed line's tail)
+    row: dict[str, Any] = {"rc": p.returncode, "seconds_run": round(time.perf_counter() - t0, 1),
                            "overrides": overrides, "run_dir": str(run_dir)}
     row.update(json.loads(result.read_text()) if result.exists() else {})
     results = run_dir / "results.json"
-    if rc or not results.exists():
-        return {**row, "status": "fail", "error": f"kdrun exited with {rc}"}
+    if p.returncode or not results.exists():
+        return {**row, "status": "fail", "error": f"kdrun exited with {p.returncode}"}
     res = json.loads(results.read_text())
     stages = [{k: s.get(k) for k in ("stage", "steps", "step_mode", "compilations", "metrics")} for s in res["stages"]]
     return {**row, "status": "pass", "stages": stages, "precision": res.get("precision"), "device": res.get("device"),
@@ -537,6 +543,9 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--as-kdrun"]:
+        die_with_parent()
+        return as_kdrun(Path(argv[1]), argv[3:])
     ap = argparse.ArgumentParser(prog="python -m kdrun.app.device_checks")
     for flag in ("--check", "--tokenizer", "--parent"):
         ap.add_argument(flag)
