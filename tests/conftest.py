@@ -182,24 +182,6 @@ def makes_shared_setups(module: Path) -> bool:
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_xdist_auto_num_workers(config) -> int | None:
-    """``-n auto`` (pyproject.toml): one worker more than the cores (physical ones, as pytest-xdist
-    counts them, at most those this process may use). With one worker per core the CPU stood idle
-    5.6 % of a run on 2 cores (/proc/stat): a test that waits (a SLURM job in the queue, a run stopped
-    at a checkpoint, two DDP ranks meeting) leaves its core idle, and the extra worker fills it.
-    ``-n logical`` and ``$PYTEST_XDIST_AUTO_NUM_WORKERS`` keep pytest-xdist's own count."""
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") or config.getoption("numprocesses") == "logical":
-        return None
-    try:
-        import psutil
-
-        physical = psutil.cpu_count(logical=False)
-    except ImportError:
-        physical = None
-    return min(physical or usable_cores(), usable_cores()) + 1
-
-
-@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """The suite's distribution over pytest-xdist's workers (``-n auto``, whose default ``--dist load``
     it replaces; another ``--dist`` is left to pytest-xdist). Two changes to sending tests singly:
