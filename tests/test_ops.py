@@ -50,6 +50,25 @@ def test_metadata_ops_are_named_and_recognised() -> None:
     assert {"_unsafe_view", "empty", "sym_size"} <= METADATA
 
 
+def test_a_counted_step_is_one_optimizer_step_whatever_accelerator_the_process_made_before() -> None:
+    """Accelerate keeps the accumulation count process-wide, set by the last Accelerator made: one made
+    with accumulation 2 (as a run with train.gradient_accumulation_steps=2 makes) must not turn the
+    counted step into the optimizer's first (its lazy state: zeros and zeros_like per parameter)."""
+    from dataclasses import replace
+
+    from accelerate import Accelerator
+
+    from kdrun.app.doctor_steps import TINY_STUDENT, TINY_TEACHER, OpsSetup, compose_objectives, step_ops
+
+    cfg = compose_objectives(["finetune"])["finetune"]
+    tiny = replace(OpsSetup(), teacher=TINY_TEACHER, student=TINY_STUDENT, batch=2, tokens=8)
+    alone = step_ops(cfg, tiny)
+    Accelerator(cpu=True, gradient_accumulation_steps=2)
+    after = step_ops(cfg, tiny)
+    assert after.by_name == alone.by_name, (after, alone)
+    assert after.by_name["_fused_adamw_"] >= 1 and "zeros_like" not in after.by_name
+
+
 # ---------------------------------------------------------------------- stacking: ops don't grow
 
 def _ckd_ops(layers: int) -> int:

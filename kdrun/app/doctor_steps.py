@@ -76,16 +76,22 @@ def set_attention(model: torch.nn.Module, plans: list[Any], role: str) -> None:
 
 # ------------------------------------------------------------------------------ the engine's step
 
-_ACCELERATORS: dict[str, Any] = {}
+_ACCELERATORS: dict[tuple[str, str], Any] = {}
 
 
 def accelerator(device: str, precision: str):
-    """kdrun's accelerator (one per precision; Accelerate's own mixed precision stays off)."""
+    """kdrun's accelerator (one per device and precision; Accelerate's own mixed precision stays off),
+    set to step the optimizer after every micro-batch. Accelerate keeps the accumulation count in a
+    process-wide state that the last Accelerator made sets (a run's with
+    ``train.gradient_accumulation_steps=2`` would otherwise make the checked step skip the optimizer)."""
     from kdrun.runtime.precision import make_kd_accelerator
 
-    if precision not in _ACCELERATORS:
-        _ACCELERATORS[precision] = make_kd_accelerator(device != "cuda", precision)
-    return _ACCELERATORS[precision]
+    key = (device, precision)
+    if key not in _ACCELERATORS:
+        _ACCELERATORS[key] = make_kd_accelerator(device != "cuda", precision)
+    acc = _ACCELERATORS[key]
+    acc.gradient_accumulation_steps, acc.step = 1, 0
+    return acc
 
 
 @dataclass
