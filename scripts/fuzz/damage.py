@@ -56,7 +56,7 @@ import sys
 import time
 from pathlib import Path
 
-from kdrun.runtime import harness
+from kdrun.runtime import forkrun, harness
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kill as fk  # noqa: E402  (the run helpers and the exact comparison)
@@ -146,9 +146,10 @@ def scenario_args(name: str, shared: Path) -> tuple[list[str], list[str]]:
 
 
 def kdrun(overrides: list[str], cache: Path, run_dir: Path, log: Path) -> int:
-    with open(log, "w") as f:
-        return subprocess.call(fk.kdrun_command(overrides, cache, run_dir), stdout=f, stderr=subprocess.STDOUT,
-                               env=fk.env())
+    """``python -m kdrun`` to its end, forked from a process that imported its libraries once
+    (kdrun.runtime.forkrun; ``KDRUN_FORKRUN=0``: a fresh process each)."""
+    log.unlink(missing_ok=True)
+    return forkrun.call(fk.kdrun_args(overrides, cache, run_dir), fk.env(), log)
 
 
 def entry_files(cache: Path, kinds: list[str]) -> list[Path]:

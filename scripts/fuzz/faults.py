@@ -31,7 +31,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from kdrun.runtime import harness
+from kdrun.runtime import forkrun, harness
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kill as fk  # noqa: E402  (the run helpers and the exact comparison)
@@ -72,12 +72,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def kdrun(overrides: list[str], work: Path, log: Path, extra_env: dict[str, str] | None = None,
-          cache: Path | None = None, run_dir: Path | None = None) -> subprocess.Popen:
+          cache: Path | None = None, run_dir: Path | None = None):
     env = {**fk.env(), "PYTHONPATH": os.pathsep.join([str(work.parent), os.environ.get("PYTHONPATH", "")]),
            **(extra_env or {})}
-    cmd = fk.kdrun_command([*TINY, *overrides], cache or work / "cache", run_dir or work / "run")
-    with open(log, "w") as f:  # the child keeps its own descriptor
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    log.unlink(missing_ok=True)  # forked from a process that imported kdrun's libraries (kdrun.runtime.forkrun)
+    return forkrun.start(fk.kdrun_args([*TINY, *overrides], cache or work / "cache", run_dir or work / "run"), env, log)
 
 
 def intact(ckpt: Path) -> bool:

@@ -128,7 +128,12 @@ def kdrun_command(overrides: list[str], cache: Path, run_dir: Path, ddp: bool = 
     launch = [sys.executable, "-m", "kdrun"] if not ddp else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
         "-m", "kdrun"]
-    return [*launch, *overrides, f"cache_dir={override_value(cache)}", f"output_dir={override_value(run_dir)}"]
+    return [*launch, *kdrun_args(overrides, cache, run_dir)]
+
+
+def kdrun_args(overrides: list[str], cache: Path, run_dir: Path) -> list[str]:
+    """The arguments of ``python -m kdrun`` for ``overrides`` in its own cache and run directory."""
+    return [*overrides, f"cache_dir={override_value(cache)}", f"output_dir={override_value(run_dir)}"]
 
 
 def free_port() -> int:
