@@ -74,3 +74,17 @@ def test_a_run_whose_libraries_would_import_differently_gets_a_fresh_process(tmp
     logs = [(tmp_path / f"{x}.log").read_text() for x in "abc"]
     assert logs[0] == logs[1] == logs[2] and logs[0].startswith("kdrun: error: train.epoch:")  # forked or not
     assert forkrun._at_import({**env(), "PYTHONPATH": "x", "KDRUN_CACHE_DIR": "y"}) == forkrun._at_import(env())
+
+
+def test_the_server_is_no_runs_process(tmp_path: Path) -> None:
+    """The fuzz scripts wait for every process carrying a run's tag (KDRUN_FUZZ_RUN): the server must not
+    carry the tag of the run that started it, or the first run's wait never ends."""
+    from multiprocessing import forkserver
+
+    fk = load_script("fuzz/kill")
+    with fk.fresh_log(tmp_path / "run.log") as log:
+        proc = fk.start(fk.kdrun_command([*RUN, "train.epoch=1"], tmp_path / "cache", tmp_path / "run"), log)
+        assert isinstance(proc, forkrun.Run) and proc.wait(timeout=120) == 2
+    assert fk.tagged(proc.tag) == []
+    server = Path(f"/proc/{forkserver._forkserver._forkserver_pid}/environ").read_bytes().split(b"\0")
+    assert not [e for e in server if e.startswith(b"KDRUN_")], server

@@ -6,7 +6,7 @@ that start many tiny runs (``scripts/fuzz/damage.py``) start them with :func:`st
 instead. A server process (Python's ``multiprocessing`` forkserver, :data:`PRELOAD` imported once)
 forks each run; the fork then does what ``python -m kdrun ARGS`` does (``runpy`` runs the ``kdrun``
 package as ``__main__``, ``sys.argv[1:]`` = ARGS) in the run's environment, working directory and
-output file, in a session of its own if asked. It is the run's process: its ``pid`` takes signals;
+output file, leading a process group of its own (setsid) if asked. It is the run's process: its ``pid`` takes signals;
 its exit status reads as ``subprocess.Popen.returncode`` does (negative: the signal that ended it);
 at its end it runs the ``atexit`` handlers and waits for its threads as an interpreter does.
 
@@ -108,7 +108,7 @@ def _context(env: dict[str, str]):
         ctx.set_forkserver_preload(list(PRELOAD))
         saved = dict(os.environ)
         os.environ.clear()
-        os.environ.update(env)
+        os.environ.update(_at_import(env))  # not the first run's own settings: the server is no run's process
         try:
             from multiprocessing import forkserver
 

@@ -23,7 +23,9 @@ Scenarios (tiny models, so each rerun takes seconds):
 
 Each trial copies the scenario's pristine tree, damages one file (cut to half its size, one byte
 flipped in place, or deleted) and runs the same command again: a cache file with a fresh run
-directory, a checkpoint file by resuming the interrupted run. Outcomes:
+directory, a checkpoint file by resuming the interrupted run. Every run is forked from a process
+that imported kdrun's libraries once (kdrun.runtime.forkrun; ``KDRUN_FORKRUN=0``: a fresh
+``python -m kdrun`` each). Outcomes:
 
 * ``rebuilt``: the run finished, printed a one-line ``[kdrun]`` message naming the damage, and its
   student, metrics and metrics log equal the undamaged run's exactly;
@@ -249,7 +251,7 @@ def wandb_untouched(damaged: Path, stopped: Path, run_dir: Path) -> bool:
 def interrupt_teacher(overrides: list[str], cache: Path, run_dir: Path, log: Path) -> Path:
     """Start the run and SIGKILL it once the teacher's fine-tuning has written a checkpoint into its
     entry's ``.partial`` build directory; that directory."""
-    with open(log, "w") as f:
+    with fk.fresh_log(log) as f:
         proc = fk.start(fk.kdrun_command(overrides, cache, run_dir), f)
         while proc.poll() is None:
             found = [p for p in (cache / "teachers").glob(".*.partial")

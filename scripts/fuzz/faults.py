@@ -16,6 +16,9 @@
   when the run stops with one line naming the full path, no cache entry is half-published (every
   entry's manifest verifies), the last checkpoint is intact, and a rerun after the tmpfs is made
   larger finishes exactly like the reference. Needs root (``mount -t tmpfs``); skipped otherwise.
+
+Every run is forked from a process that imported kdrun's libraries once (kdrun.runtime.forkrun;
+``KDRUN_FORKRUN=0``: a fresh ``python -m kdrun`` each).
 """
 
 from __future__ import annotations

@@ -42,7 +42,10 @@ run once. A run passes when:
   already there is dropped) has every step of the uninterrupted run once, with the same values.
 
 Every process of a run (wandb's service, in a process group of its own, too) is waited for before the
-next run starts; one still there a minute after its run ended is killed.
+next run starts; one still there a minute after its run ended is killed. A one-process run is forked
+from a process that imported kdrun's libraries once (kdrun.runtime.forkrun; ``KDRUN_FORKRUN=0``: a
+fresh ``python -m kdrun`` each): no moment is drawn before the run's first phase anyway, and a
+signal reaches the fork as it would the fresh process. ``--ddp`` runs start torchrun afresh.
 
 Prints where each signal landed (the last phase the run had printed) and the count, e.g.
 ``20/20 passed``; exits 1 unless every counted run passed.
@@ -66,7 +69,7 @@ import time
 import zlib
 from pathlib import Path
 
-from kdrun.runtime import harness
+from kdrun.runtime import forkrun, harness
 
 RUN = ["teacher=tiny_random", "student=tiny_random", "logger=none", "task=toy", "task.toy.num_train=160",
        "task.toy.num_validation=64", "teacher.finetune.epochs=2", "objective=tinybert",
@@ -168,13 +171,25 @@ def env(tag: str = "") -> dict[str, str]:
     return e
 
 
-def start(cmd: list[str], log) -> subprocess.Popen:
-    """Start a run in a process group of its own (setsid); its processes carry ``KDRUN_FUZZ_RUN=<a tag of its own>``
-    (``proc.tag``)."""
+def start(cmd: list[str], log) -> subprocess.Popen | forkrun.Run:
+    """Start a run in a process group of its own (setsid); the processes it starts carry
+    ``KDRUN_FUZZ_RUN=<a tag of its own>`` (``proc.tag``). A one-process run (``python -m kdrun``) is
+    forked from a process that imported kdrun's libraries once (kdrun.runtime.forkrun), and appends
+    its output to the log through a descriptor of its own: ``log`` is opened for appending
+    (:func:`fresh_log`)."""
     tag = secrets.token_hex(8)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(tag), start_new_session=True)
+    if cmd[:3] == [sys.executable, "-m", "kdrun"]:
+        proc = forkrun.start(cmd[3:], env(tag), Path(log.name), new_session=True)
+    else:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(tag), start_new_session=True)
     proc.tag = tag
     return proc
+
+
+def fresh_log(path: Path):
+    """``path`` emptied and opened for appending (what this process writes and what a run appends interleave)."""
+    Path(path).write_bytes(b"")
+    return open(path, "a")
 
 
 def tagged(tag: str) -> list[int]:
@@ -283,7 +298,7 @@ def timed_reference(cmd: list[str], log_path: Path) -> tuple[float, dict[str, fl
     """Run the reference to completion as the signalled runs run (output to a file, unbuffered);
     (its wall time, when each phase's marker first appeared in the file, polled every 20 ms)."""
     t0, marks = time.perf_counter(), {}
-    with open(log_path, "w") as log:
+    with fresh_log(log_path) as log:
         proc = start(cmd, log)
         while True:
             done = proc.poll() is not None
@@ -523,7 +538,7 @@ def restart(args: argparse.Namespace, work: Path, log_path: Path, draw, logs: li
     """``--repeat`` more signalled restarts, then the one restart that must finish: (its exit status,
     the checkpoints on disk before it). ``logs`` gains each new wandb offline log, in order."""
     sig = getattr(signal, f"SIG{args.signal}")
-    with open(log_path, "w") as log:
+    with fresh_log(log_path) as log:
         for _ in range(args.repeat):
             signalled_run(command(args, work), draw(), sig, log, args.ddp, work)
             logs += [p for p in wandb_logs(work / "run") if p not in logs]
@@ -555,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         if counted == args.runs:
             break
         work, when = out / f"run{i:03d}", draw()
-        with open(out / f"run{i:03d}.signalled.log", "w") as log:
+        with fresh_log(out / f"run{i:03d}.signalled.log") as log:
             hit = signalled_run(command(args, work), when, sig, log, args.ddp, work)
         where = phase((out / f"run{i:03d}.signalled.log").read_text(errors="replace")) if hit else "finished first"
         if where in ("outputs written", "finished first"):
