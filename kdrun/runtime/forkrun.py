@@ -2,21 +2,21 @@
 
 A process of ``python -m kdrun`` spends some 5 s of a 2-core CPU importing torch, transformers,
 datasets, evaluate and accelerate before kdrun reads its command line: most of a tiny run. Scripts
-that start many tiny runs (``scripts/fuzz/damage.py``) start them with :func:`start` or :func:`call`
-instead. A server process (Python's ``multiprocessing`` forkserver, :data:`PRELOAD` imported once)
-forks each run; the fork then does what ``python -m kdrun ARGS`` does (``runpy`` runs the ``kdrun``
-package as ``__main__``, ``sys.argv[1:]`` = ARGS) in the run's environment, working directory and
-output file, leading a process group of its own (setsid) if asked. It is the run's process: its ``pid`` takes signals;
-its exit status reads as ``subprocess.Popen.returncode`` does (negative: the signal that ended it);
-at its end it runs the ``atexit`` handlers and waits for its threads as an interpreter does.
+that start many tiny runs (the fuzz scripts) start them with :func:`start` or :func:`call` instead.
+A server process (Python's ``multiprocessing`` forkserver, :data:`PRELOAD` imported once) forks each
+run; the fork then does what ``python -m kdrun ARGS`` does (``runpy`` runs the ``kdrun`` package as
+``__main__``, ``sys.argv[1:]`` = ARGS) in the run's environment, working directory and output file,
+leading a process group of its own (setsid) if asked. It is the run's process: its ``pid`` takes
+signals; its exit status reads as ``subprocess.Popen.returncode`` does (negative: the signal that
+ended it); at its end it runs the ``atexit`` handlers and waits for its threads as an interpreter does.
 
 What differs from a fresh process is what the server did before the fork: it imported
 :data:`PRELOAD` under the environment of the first run, and libraries read some settings while they
 are imported (``HF_HUB_OFFLINE``, ``HF_DATASETS_CACHE`` ...). So a run whose environment differs from
 the first run's in anything but ``PYTHONPATH`` (the fork puts its entries on ``sys.path`` as the
 interpreter would), kdrun's own ``KDRUN_*`` settings (read while it runs) and pytest's
-``PYTEST_CURRENT_TEST`` gets a plain
-``python -m kdrun`` process (``subprocess.Popen``), as does every run under ``KDRUN_FORKRUN=0``.
+``PYTEST_CURRENT_TEST`` gets a plain ``python -m kdrun`` process (``subprocess.Popen``), as does
+every run under ``KDRUN_FORKRUN=0``.
 """
 
 from __future__ import annotations
