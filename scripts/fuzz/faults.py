@@ -75,10 +75,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def kdrun(overrides: list[str], work: Path, log: Path, extra_env: dict[str, str] | None = None,
-          cache: Path | None = None, run_dir: Path | None = None):
+          cache: Path | None = None, run_dir: Path | None = None) -> subprocess.Popen | forkrun.Run:
+    """Start ``python -m kdrun`` on the tiny toy run, forked (kdrun.runtime.forkrun); its output to ``log``."""
     env = {**fk.env(), "PYTHONPATH": os.pathsep.join([str(work.parent), os.environ.get("PYTHONPATH", "")]),
            **(extra_env or {})}
-    log.unlink(missing_ok=True)  # forked from a process that imported kdrun's libraries (kdrun.runtime.forkrun)
+    log.unlink(missing_ok=True)  # the run appends to it
     return forkrun.start(fk.kdrun_args([*TINY, *overrides], cache or work / "cache", run_dir or work / "run"), env, log)
 
 
