@@ -7,8 +7,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +16,7 @@ from torch import nn
 from transformers import BertConfig, BertForSequenceClassification
 
 from kdrun.errors import ConfigError
+from kdrun.runtime import forkrun
 from kdrun.strategies.dynabert.export import export_subnetwork, standard_heads
 from kdrun.strategies.dynabert.export import main as export_main
 from kdrun.strategies.dynabert.rewire import importance, rewire
@@ -393,9 +392,8 @@ TINY_DYNABERT_RUN = [
 
 def test_cli_run_prints_the_table_and_exports(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    r = subprocess.run(
-        [sys.executable, "-m", "kdrun", *TINY_DYNABERT_RUN, f"cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"],
-        capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = forkrun.run([*TINY_DYNABERT_RUN, f"cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"],
+                    {**os.environ, "OMP_NUM_THREADS": "1"}, REPO, 300)  # forked: kdrun.runtime.forkrun
     assert r.returncode == 0, r.stderr[-3000:]
     assert "DynaBERT sub-networks" in r.stdout and "m_w" in r.stdout
     res = json.loads((run_dir / "results.json").read_text())

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from kdrun.runtime import forkrun
@@ -76,6 +77,28 @@ def test_a_run_whose_libraries_would_import_differently_gets_a_fresh_process(tmp
     logs = [(tmp_path / f"{x}.log").read_text() for x in "abc"]
     assert logs[0] == logs[1] == logs[2] and logs[0].startswith("kdrun: error: train.epoch:")  # forked or not
     assert forkrun._at_import({**env(), "PYTHONPATH": "x", "KDRUN_CACHE_DIR": "y"}) == forkrun._at_import(env())
+
+
+def test_run_captures_stdout_and_stderr_apart_and_run_time_settings_keep_the_fork(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """forkrun.run reads as subprocess.run(capture_output=True, text=True): the error line on stderr alone;
+    settings read only while a run runs (RUN_TIME) keep it forked; the timeout kills the run."""
+    forkrun.start([*RUN, "train.epoch=1"], env(), tmp_path / "a.log").wait(timeout=120)  # the server runs
+    run_time = {**env(), "HYDRA_FULL_ERROR": "0", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "true",
+                "KDRUN_CACHE_DIR": str(tmp_path / "c")}
+    assert isinstance(forkrun.start([*RUN, "train.epoch=1"], run_time, tmp_path / "b.log"), forkrun.Run)
+    bad = forkrun.run([*RUN, "train.epoch=1"], run_time, tmp_path, timeout=120)
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr == (tmp_path / "a.log").read_text()
+    assert bad.args[:3] == [sys.executable, "-m", "kdrun"] and bad.stderr.startswith("kdrun: error: train.epoch:")
+    monkeypatch.setattr(forkrun, "start", lambda *a, **k: (_ for _ in ()).throw(AssertionError(k)))
+    with pytest.raises(AssertionError, match="'err': PosixPath"):  # stderr goes to a file of its own
+        forkrun.run(RUN, run_time)
+    monkeypatch.undo()
+    t0 = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        forkrun.run([*RUN, f"cache_dir={tmp_path / 'slow'}", f"output_dir={tmp_path / 'slow_run'}"], run_time,
+                    timeout=1)
+    assert time.monotonic() - t0 < 30
 
 
 def test_the_server_is_no_runs_process(tmp_path: Path) -> None:

@@ -17,16 +17,19 @@ from filelock import FileLock
 
 from kdrun.app.run import run
 from kdrun.report.results import collect
+from kdrun.runtime import forkrun
 from kdrun.runtime.cache import COMPLETE_MARKER, DAMAGED_DIR, get_or_build, load_or_build, write_text_atomic
 from kdrun.runtime.locks import RunDirBusy, run_dir_lock
 from tests.conftest import REPO, TINY, TOY
 from tests.test_sweeps import env_for
 
 
-def _kdrun(tmp: Path, *args: str, umask: int | None = None, **kw) -> subprocess.CompletedProcess:
-    set_umask = (lambda: os.umask(umask)) if umask is not None else None
+def _kdrun(tmp: Path, *args: str, umask: int | None = None) -> subprocess.CompletedProcess:
+    """``python -m kdrun ARGS`` in ``tmp``: forked (kdrun.runtime.forkrun), or under ``umask`` a new process."""
+    if umask is None:
+        return forkrun.run(list(args), env_for(tmp), tmp, 300)
     return subprocess.run([sys.executable, "-m", "kdrun", *args], capture_output=True, text=True, timeout=300,
-                          cwd=tmp, env=env_for(tmp), preexec_fn=set_umask, **kw)
+                          cwd=tmp, env=env_for(tmp), preexec_fn=lambda: os.umask(umask))
 
 
 def _builder(calls: list[int], payload: bytes = b"x" * 1000):

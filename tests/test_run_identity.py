@@ -15,6 +15,7 @@ from test_sweeps import env_for
 
 from kdrun.app.identity import PREVIOUS, PROVENANCE, RunDirTaken, differing_keys, recorded_run
 from kdrun.app.run import run
+from kdrun.runtime import forkrun
 
 SMALL = [*TINY, "task=toy", "task.toy.num_train=48", "task.toy.num_validation=24", "train.num_threads=1"]
 
@@ -24,11 +25,10 @@ def snapshot(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-def kdrun_cli(tmp: Path, *args: str, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
+def kdrun_cli(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python -m kdrun`` on the small run with ``args`` in ``tmp`` (forked: kdrun.runtime.forkrun)."""
     flags = [a for a in args if a.startswith("-")]  # Hydra's flags (-m) before the overrides
-    command = [sys.executable, "-m", "kdrun", *flags, *SMALL, *(a for a in args if a not in flags)]
-    return subprocess.run(command, cwd=tmp, env=env_for(tmp), text=True, stdout=stdout, stderr=subprocess.PIPE,
-                          timeout=600)
+    return forkrun.run([*flags, *SMALL, *(a for a in args if a not in flags)], env_for(tmp), tmp, 600)
 
 
 # ------------------------------------------------------------------------------ the identity itself

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from kdrun.config import sweep_name
+from kdrun.runtime import forkrun
 from tests.conftest import TINY, TOY, compose
 
 
@@ -29,8 +30,9 @@ def env_for(tmp: Path) -> dict[str, str]:
 
 
 def kdrun(tmp: Path, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "kdrun", *args], capture_output=True, text=True, timeout=timeout,
-                       cwd=tmp, env=env_for(tmp))
+    """``python -m kdrun ARGS`` in ``tmp``, forked from a process that imported kdrun's libraries once
+    (kdrun.runtime.forkrun; the processes a launcher starts for its jobs are new interpreters)."""
+    r = forkrun.run(list(args), env_for(tmp), tmp, timeout)
     if check:
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r

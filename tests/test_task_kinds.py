@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kdrun.errors import ConfigError
+from kdrun.runtime import forkrun
 from kdrun.tasks.kinds import get_task_kind, kind_of, metric_sign, task_kinds
 from tests.conftest import REPO, TINY, TOY, compose
 
@@ -80,13 +81,13 @@ def test_a_new_task_kind_runs_end_to_end(tmp_path: Path) -> None:
     stages = ("[{name: tags, epochs: 3, lr: 5e-3, batch_size: 16, losses: [{name: token_ce, weight: 0.5}, "
               "{name: token_kd, weight: 0.5}]}]")
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "kdrun", *TINY, *TOY, "task.kind=tokens", "task.imports=[tests.token_kind]",
+    cmd = [*TINY, *TOY, "task.kind=tokens", "task.imports=[tests.token_kind]",
            "task.metrics=[token_accuracy]", "task.main_metric=token_accuracy", "task.max_seq_length=32",
            "objective=finetune", "objective.imports=[tests.token_kind]", f"objective.stages={stages}",
            "task.toy.num_train=800", "teacher.finetune.epochs=3", "teacher.finetune.lr=5e-3",
            "teacher.finetune.batch_size=16", "teacher.store=on",
            f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}"]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = forkrun.run(cmd, cwd=REPO, timeout=600)  # forked: kdrun.runtime.forkrun
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads((run_dir / "results.json").read_text())
     teacher, student = res["teacher"]["metrics"]["validation"], res["student"]["metrics"]["validation"]
@@ -94,8 +95,8 @@ def test_a_new_task_kind_runs_end_to_end(tmp_path: Path) -> None:
     assert teacher["token_accuracy"] > 0.95 and student["token_accuracy"] > 0.95, (teacher, student)
     assert res["baseline"] is None
     ce = stages.replace("token_ce", "ce")
-    bad = subprocess.run([*(f"objective.stages={ce}" if a.startswith("objective.stages=") else a for a in cmd[:-1]),
-                          f"hydra.run.dir={tmp_path / 'bad'}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    bad = forkrun.run([*(f"objective.stages={ce}" if a.startswith("objective.stages=") else a for a in cmd[:-1]),
+                       f"hydra.run.dir={tmp_path / 'bad'}"], cwd=REPO, timeout=300)
     assert bad.returncode == 2
     assert "task.kind=tokens trains with ['token_ce', 'token_kd'] only, not ['ce']" in bad.stderr
 

@@ -12,11 +12,16 @@ ended it); at its end it runs the ``atexit`` handlers and waits for its threads 
 
 What differs from a fresh process is what the server did before the fork: it imported
 :data:`PRELOAD` under the environment of the first run, and libraries read some settings while they
-are imported (``HF_HUB_OFFLINE``, ``HF_DATASETS_CACHE`` ...). So a run whose environment differs from
-the first run's in anything but ``PYTHONPATH`` (the fork puts its entries on ``sys.path`` as the
-interpreter would), kdrun's own ``KDRUN_*`` settings (read while it runs) and pytest's
-``PYTEST_CURRENT_TEST`` gets a plain ``python -m kdrun`` process (``subprocess.Popen``), as does
-every run under ``KDRUN_FORKRUN=0``.
+are imported (``HF_HUB_OFFLINE``, ``HF_DATASETS_CACHE``, ``OMP_NUM_THREADS`` ...). So a run whose
+environment differs from the first run's in anything but the settings read only while a run runs
+(:data:`RUN_TIME`: ``PYTHONPATH``, whose entries the fork puts on ``sys.path`` as the interpreter
+would; kdrun's own ``KDRUN_*``; wandb's ``WANDB_*``, wandb being imported by the run, not the
+server; Hydra's ``HYDRA_FULL_ERROR``; ``TOKENIZERS_PARALLELISM``, read when tokenizers parallelise;
+pytest's ``PYTEST_CURRENT_TEST``) gets a plain ``python -m kdrun`` process (``subprocess.Popen``),
+as does every run under ``KDRUN_FORKRUN=0``.
+
+The forked run's ``/proc/PID/environ`` shows the server's environment: the run's own is set with
+``os.environ`` after the fork (the processes it starts get the run's).
 """
 
 from __future__ import annotations
@@ -29,28 +34,32 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
 import types
 from pathlib import Path
 from typing import Any, Iterator
 
 PRELOAD = ("kdrun.cli", "kdrun.app.run", "transformers.models.bert.modeling_bert", "datasets", "evaluate",
            "sklearn.metrics", "scipy.stats", "accelerate")
-RUN_TIME = ("PYTHONPATH", "PYTEST_CURRENT_TEST")  # with KDRUN_*: read while a run runs, not at import
+RUN_TIME = ("PYTHONPATH", "PYTEST_CURRENT_TEST", "HYDRA_FULL_ERROR", "TOKENIZERS_PARALLELISM", "KDRUN_*",
+            "WANDB_*")  # read while a run runs, not at import ("X_*": every name starting with X_)
 _SERVER: dict[str, Any] = {}  # "env": the environment the server imported PRELOAD under
 
 
-def _run_as_main(args: list[str], env: dict[str, str], cwd: str, out: str, new_session: bool) -> None:
-    """The forked run: ``python -m kdrun *args`` in ``env`` and ``cwd``, stdout and stderr to ``out``."""
+def _run_as_main(args: list[str], env: dict[str, str], cwd: str, out: str, new_session: bool,
+                 err: str | None = None) -> None:
+    """The forked run: ``python -m kdrun *args`` in ``env`` and ``cwd``, stdout to ``out`` and stderr
+    to ``err`` (None: to ``out`` too), both appended."""
     if new_session:
         os.setsid()
     os.environ.clear()
     os.environ.update(env)
     sys.stdout.flush()
     sys.stderr.flush()
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    for target, path in ((1, out), (2, err or out)):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, target)
+        os.close(fd)
     os.chdir(cwd)
     first = [cwd, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
     sys.path[:] = [*first, *(p for p in sys.path if p not in first and p not in ("", "."))]
@@ -121,27 +130,48 @@ def _context(env: dict[str, str]):
 
 
 def _at_import(env: dict[str, str]) -> dict[str, str]:
-    """The settings a library may read while it is imported: all but PYTHONPATH, kdrun's own and the
-    name of the test pytest is running."""
-    return {k: v for k, v in env.items() if k not in RUN_TIME and not k.startswith("KDRUN_")}
+    """The settings a library may read while it is imported: all but :data:`RUN_TIME`'s."""
+    return {k: v for k, v in env.items() if not any(k == r or r.endswith("*") and k.startswith(r[:-1])
+                                                    for r in RUN_TIME)}
 
 
 def start(args: list[str], env: dict[str, str], out: Path, cwd: Path | None = None,
-          new_session: bool = False) -> Run | subprocess.Popen:
-    """Start ``python -m kdrun *args`` (output appended to ``out``): forked where it can be."""
+          new_session: bool = False, err: Path | None = None) -> Run | subprocess.Popen:
+    """Start ``python -m kdrun *args`` (stdout appended to ``out``, stderr to ``err`` or else ``out``):
+    forked where it can be."""
     cwd = str(cwd or os.getcwd())
     if env.get("KDRUN_FORKRUN", os.environ.get("KDRUN_FORKRUN", "1")) != "0" and os.name == "posix":
         ctx = _context(env)
         if ctx is not None:
-            process = ctx.Process(target=_run_as_main, args=(list(args), env, cwd, str(out), new_session))
+            process = ctx.Process(target=_run_as_main,
+                                  args=(list(args), env, cwd, str(out), new_session, err and str(err)))
             with _main_hidden():
                 process.start()
             return Run(process, list(args))
-    with open(out, "a") as f:
-        return subprocess.Popen([sys.executable, "-m", "kdrun", *args], stdout=f, stderr=subprocess.STDOUT,
-                                env=env, cwd=cwd, start_new_session=new_session)
+    with contextlib.ExitStack() as files:
+        f = files.enter_context(open(out, "a"))
+        e = files.enter_context(open(err, "a")) if err else subprocess.STDOUT
+        return subprocess.Popen([sys.executable, "-m", "kdrun", *args], stdout=f, stderr=e, env=env, cwd=cwd,
+                                start_new_session=new_session)
 
 
 def call(args: list[str], env: dict[str, str], out: Path, cwd: Path | None = None) -> int:
     """Run ``python -m kdrun *args`` to its end (output appended to ``out``); its exit status."""
     return start(args, env, out, cwd).wait()
+
+
+def run(args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None,
+        timeout: float | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, -m, kdrun, *args], capture_output=True, text=True, timeout=...)``,
+    forked where it can be: the run is killed at the timeout (``subprocess.TimeoutExpired``)."""
+    with tempfile.TemporaryDirectory(prefix="kdrun-forkrun-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        proc = start(list(args), dict(os.environ if env is None else env), out, cwd, err=err)
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        return subprocess.CompletedProcess([sys.executable, "-m", "kdrun", *args], rc,
+                                           out.read_text(errors="replace"), err.read_text(errors="replace"))
