@@ -156,10 +156,11 @@ def test_second_process_in_a_held_run_directory_fails_naming_the_holder(tmp_path
 
 def test_two_concurrent_runs_of_one_directory_exactly_one_trains(tmp_path: Path) -> None:
     args = [*TINY, *TOY, "objective=logit", f"hydra.run.dir={tmp_path}/run", "logger.log_every_steps=1"]
-    procs = [subprocess.Popen([sys.executable, "-m", "kdrun", *args], cwd=tmp_path, env=env_for(tmp_path),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    codes = sorted(p.returncode for p in procs)
+    procs = [forkrun.start(args, env_for(tmp_path), tmp_path / f"out{i}", tmp_path, err=tmp_path / f"err{i}")
+             for i in range(2)]  # forked: kdrun.runtime.forkrun
+    codes = [p.wait(timeout=300) for p in procs]
+    outs = [((tmp_path / f"out{i}").read_text(), (tmp_path / f"err{i}").read_text()) for i in range(2)]
+    codes = sorted(codes)
     assert codes == [0, 2], [o[1][-1500:] for o in outs]
     loser = outs[[p.returncode for p in procs].index(2)]
     assert "is in use by pid" in loser[1]

@@ -25,17 +25,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from kdrun.runtime import harness
+from kdrun.runtime import forkrun, harness
 
-# --fast: tiny random teacher and student on a few toy sentences; checks the script, not for figures.
+# --fast: tiny random teacher and student on a few toy sentences, the runs forked; checks the script, not for
+# figures.
 FAST = ["teacher=tiny_random", "student=tiny_random", "teacher.finetune.epochs=1", "train.epochs=1",
         "task.toy.num_train=64", "task.toy.num_validation=32"]
 
 
-def kdrun(args: list[str], env: dict[str, str]) -> tuple[float, str]:
-    """Run ``kdrun ARGS``; its wall time and stdout (exits with the run's error if it fails)."""
+def kdrun(args: list[str], env: dict[str, str], fast: bool = False) -> tuple[float, str]:
+    """Run ``kdrun ARGS``; its wall time and stdout (exits with the run's error if it fails). ``fast``:
+    forked from a process that imported kdrun's libraries once (kdrun.runtime.forkrun; the launcher's
+    jobs are new interpreters either way), else a new interpreter as a user starts it."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "kdrun", *args], env=env, capture_output=True, text=True)
+    if fast:
+        proc = forkrun.run(args, env)
+    else:
+        proc = subprocess.run([sys.executable, "-m", "kdrun", *args], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"kdrun {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return time.perf_counter() - t0, proc.stdout
@@ -83,11 +89,12 @@ def main(argv: list[str] | None = None) -> None:
     seeds = ",".join(str(s) for s in range(1, args.seeds + 1))
 
     print(f"[bench] warm-up run (fills the teacher cache) in {work}", flush=True)
-    kdrun([*base, "seed=0", f"hydra.run.dir={work / 'warmup'}"], env)
+    kdrun([*base, "seed=0", f"hydra.run.dir={work / 'warmup'}"], env, args.fast)
     secs, packed_jobs = {}, "?"
     for tag, at_once in (("one_at_a_time", "1"), ("packed", args.jobs_at_once)):
         secs[tag], stdout = kdrun(["-m", *base, f"seed={seeds}", "launcher=packed",
-                                   f"hydra.launcher.jobs_at_once={at_once}", f"hydra.sweep.dir={work / tag}"], env)
+                                   f"hydra.launcher.jobs_at_once={at_once}", f"hydra.sweep.dir={work / tag}"], env,
+                                  args.fast)
         found = re.search(r"\[kdrun\] (\d+) of \d+ jobs at once", stdout)
         packed_jobs = found.group(1) if found else packed_jobs
     one, packed = sweep_metrics(work / "one_at_a_time"), sweep_metrics(work / "packed")
