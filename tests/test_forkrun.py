@@ -85,8 +85,11 @@ def test_run_captures_stdout_and_stderr_apart_and_run_time_settings_keep_the_for
     settings read only while a run runs (RUN_TIME) keep it forked; the timeout kills the run."""
     forkrun.start([*RUN, "train.epoch=1"], env(), tmp_path / "a.log").wait(timeout=120)  # the server runs
     run_time = {**env(), "HYDRA_FULL_ERROR": "0", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "true",
-                "KDRUN_CACHE_DIR": str(tmp_path / "c")}
+                "KDRUN_CACHE_DIR": str(tmp_path / "c"), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
     assert isinstance(forkrun.start([*RUN, "train.epoch=1"], run_time, tmp_path / "b.log"), forkrun.Run)
+    sklearn_set = {k: v for k, v in env().items() if k not in forkrun.SET_BY_IMPORT}  # without, then with them
+    for kmp in (sklearn_set, {**sklearn_set, "KMP_DUPLICATE_LIB_OK": "True", "KMP_INIT_AT_FORK": "FALSE"}):
+        assert isinstance(forkrun.start([*RUN, "train.epoch=1"], kmp, tmp_path / "k.log"), forkrun.Run)
     bad = forkrun.run([*RUN, "train.epoch=1"], run_time, tmp_path, timeout=120)
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr == (tmp_path / "a.log").read_text()
     assert bad.args[:3] == [sys.executable, "-m", "kdrun"] and bad.stderr.startswith("kdrun: error: train.epoch:")

@@ -17,8 +17,11 @@ environment differs from the first run's in anything but the settings read only 
 (:data:`RUN_TIME`: ``PYTHONPATH``, whose entries the fork puts on ``sys.path`` as the interpreter
 would; kdrun's own ``KDRUN_*``; wandb's ``WANDB_*``, wandb being imported by the run, not the
 server; Hydra's ``HYDRA_FULL_ERROR``; ``TOKENIZERS_PARALLELISM``, read when tokenizers parallelise;
+torch.distributed's ``MASTER_ADDR`` and ``MASTER_PORT``, read when a process group starts;
 pytest's ``PYTEST_CURRENT_TEST``) gets a plain ``python -m kdrun`` process (``subprocess.Popen``),
-as does every run under ``KDRUN_FORKRUN=0``.
+as does every run under ``KDRUN_FORKRUN=0``. Settings a preloaded library sets itself when imported
+(:data:`SET_BY_IMPORT`: scikit-learn's ``KMP_*``) do not count: the fork has them as a fresh
+process would after the import.
 
 The forked run's ``/proc/PID/environ`` shows the server's environment: the run's own is set with
 ``os.environ`` after the fork (the processes it starts get the run's).
@@ -42,7 +45,10 @@ from typing import Any, Iterator
 PRELOAD = ("kdrun.cli", "kdrun.app.run", "transformers.models.bert.modeling_bert", "datasets", "evaluate",
            "sklearn.metrics", "scipy.stats", "accelerate")
 RUN_TIME = ("PYTHONPATH", "PYTEST_CURRENT_TEST", "HYDRA_FULL_ERROR", "TOKENIZERS_PARALLELISM", "KDRUN_*",
-            "WANDB_*")  # read while a run runs, not at import ("X_*": every name starting with X_)
+            "WANDB_*", "MASTER_ADDR", "MASTER_PORT")  # read while a run runs, not at import ("X_*": X_ and more)
+# Set by a preloaded library when it is imported (scikit-learn: os.environ.setdefault), so a caller that
+# has imported it carries them and one that has not does not: the fork sets them as the import would.
+SET_BY_IMPORT = ("KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK")
 _SERVER: dict[str, Any] = {}  # "env": the environment the server imported PRELOAD under
 
 
@@ -52,8 +58,9 @@ def _run_as_main(args: list[str], env: dict[str, str], cwd: str, out: str, new_s
     to ``err`` (None: to ``out`` too), both appended."""
     if new_session:
         os.setsid()
+    imported = {k: os.environ[k] for k in SET_BY_IMPORT if k in os.environ}
     os.environ.clear()
-    os.environ.update(env)
+    os.environ.update({**imported, **env})
     sys.stdout.flush()
     sys.stderr.flush()
     for target, path in ((1, out), (2, err or out)):
@@ -130,9 +137,10 @@ def _context(env: dict[str, str]):
 
 
 def _at_import(env: dict[str, str]) -> dict[str, str]:
-    """The settings a library may read while it is imported: all but :data:`RUN_TIME`'s."""
-    return {k: v for k, v in env.items() if not any(k == r or r.endswith("*") and k.startswith(r[:-1])
-                                                    for r in RUN_TIME)}
+    """The settings a library may read while it is imported: all but :data:`RUN_TIME`'s and those a
+    preloaded library sets itself (:data:`SET_BY_IMPORT`)."""
+    return {k: v for k, v in env.items() if k not in SET_BY_IMPORT and not any(
+        k == r or r.endswith("*") and k.startswith(r[:-1]) for r in RUN_TIME)}
 
 
 def start(args: list[str], env: dict[str, str], out: Path, cwd: Path | None = None,
