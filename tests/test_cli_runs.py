@@ -4,8 +4,8 @@ and real GLUE files when a copy is at $KDRUN_DATA/glue (skipped otherwise)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,12 +16,8 @@ from tests.conftest import GLUE, REPO, TINY, TOY, assert_kept_best, task_objecti
 
 def kdrun(*args: str, timeout: float = 600, fresh: bool = False) -> subprocess.CompletedProcess:
     """``python -m kdrun ARGS``, forked from a process that imported kdrun's libraries once
-    (kdrun.runtime.forkrun), or with ``fresh`` a new interpreter as a user starts it."""
-    if fresh:
-        r = subprocess.run([sys.executable, "-m", "kdrun", *args], capture_output=True, text=True, timeout=timeout,
-                           cwd=REPO)
-    else:
-        r = forkrun.run(list(args), cwd=REPO, timeout=timeout)
+    (kdrun.runtime.forkrun), or with ``fresh`` a new interpreter as a user starts it (KDRUN_FORKRUN=0)."""
+    r = forkrun.run(list(args), {**os.environ, "KDRUN_FORKRUN": "0"} if fresh else None, REPO, timeout)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 

@@ -19,8 +19,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,12 +34,9 @@ FAST = ["teacher=tiny_random", "student=tiny_random", "teacher.finetune.epochs=1
 def kdrun(args: list[str], env: dict[str, str], fast: bool = False) -> tuple[float, str]:
     """Run ``kdrun ARGS``; its wall time and stdout (exits with the run's error if it fails). ``fast``:
     forked from a process that imported kdrun's libraries once (kdrun.runtime.forkrun; the launcher's
-    jobs are new interpreters either way), else a new interpreter as a user starts it."""
+    jobs are new interpreters either way), else a new interpreter as a user starts it (KDRUN_FORKRUN=0)."""
     t0 = time.perf_counter()
-    if fast:
-        proc = forkrun.run(args, env)
-    else:
-        proc = subprocess.run([sys.executable, "-m", "kdrun", *args], env=env, capture_output=True, text=True)
+    proc = forkrun.run(args, env if fast else {**env, "KDRUN_FORKRUN": "0"})
     if proc.returncode != 0:
         raise SystemExit(f"kdrun {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return time.perf_counter() - t0, proc.stdout
