@@ -103,6 +103,25 @@ def run_cfg(cache_dir: Path):
 
 
 @pytest.fixture
+def conll_chunkers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``chunkers`` folder of a kdrun cache that every test of the run (every worker) shares: the POS
+    tagger and chunker trained on the real CoNLL-2000 (some 15 s on a 2-core CPU) are trained there
+    once, under the cache's own lock, and read by the other tests that need them. A test points its
+    cache's ``chunkers`` at it with :func:`share_chunkers`."""
+    base = tmp_path_factory.getbasetemp()  # a worker's: popen-gwN in the run's folder, their common parent
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-chunkers"
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
+def share_chunkers(cache: Path, chunkers: Path) -> Path:
+    """``cache`` (made), with its ``chunkers`` folder the shared one; returns ``cache``."""
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "chunkers").symlink_to(chunkers, target_is_directory=True)
+    return cache
+
+
+@pytest.fixture
 def no_leftover_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Every process the test starts inherits ``KDRUN_TEST_TMP=<tmp_path>`` (tests/procs.py); after the
     test none may be left: they get 30 s to end (wandb's service ends a moment after its run), then

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kdrun.runtime import forkrun
-from tests.conftest import GLUE, REPO, TINY, TOY, assert_kept_best, task_objectives
+from tests.conftest import GLUE, REPO, TINY, TOY, assert_kept_best, share_chunkers, task_objectives
 
 
 def kdrun(*args: str, timeout: float = 600, fresh: bool = False) -> subprocess.CompletedProcess:
@@ -46,7 +46,7 @@ SAME_PATH_AS = {"pkd": "tinybert", "distilbert": "tinybert", "alp": "tinybert", 
                 "tinybert_official": "tinybert"}
 
 
-def test_every_objective_learns_in_the_quickstart(tmp_path: Path) -> None:
+def test_every_objective_learns_in_the_quickstart(tmp_path: Path, conll_chunkers: Path) -> None:
     """`kdrun experiment=quickstart objective=X` as one multirun (one teacher fine-tune) for an objective of
     every feature path (no teacher, logits, relations, hidden states + attention, Q/K/V, spans), in a
     new interpreter as a user starts it (every feature path's imports made by kdrun itself):
@@ -56,6 +56,7 @@ def test_every_objective_learns_in_the_quickstart(tmp_path: Path) -> None:
     student."""
     objectives = [o for o in task_objectives() if (o != "mgskd" or CONLL.exists()) and o not in SAME_PATH_AS]
     assert set(SAME_PATH_AS.values()) <= set(objectives) and len(objectives) >= 5
+    share_chunkers(tmp_path / "cache", conll_chunkers)  # mgskd's chunker, trained once in the suite
     r = kdrun("-m", "experiment=quickstart", "logger=none", "report.cost=false", f"objective={','.join(objectives)}",
               f"spans.corpus_dir={CONLL}", f"cache_dir={tmp_path}/cache", f"hydra.sweep.dir={tmp_path}/sweep",
               timeout=1800, fresh=True)

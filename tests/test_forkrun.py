@@ -5,6 +5,7 @@ environment the libraries would read differently at import gets a fresh process.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -116,3 +117,74 @@ def test_the_server_is_no_runs_process(tmp_path: Path) -> None:
     assert fk.tagged(proc.tag) == []
     server = Path(f"/proc/{forkserver._forkserver._forkserver_pid}/environ").read_bytes().split(b"\0")
     assert not [e for e in server if e.startswith(b"KDRUN_")], server
+
+
+PROBE = """
+import atexit, os, signal, sys, time
+from pathlib import Path
+
+
+def main(argv):
+    what, out = argv[0], Path(argv[1])
+    atexit.register(lambda: (out / "own_atexit").write_text(str(os.getpid())))
+    print("to stdout", flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    (out / "seen").write_text(f"{os.environ.get('PROBE_SETTING')} {os.getpgid(0) == os.getpid()} {sys.argv}")
+    if what == "exit":
+        sys.exit(3)
+    if what == "raise":
+        raise ValueError("probe failed")
+    if what == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if what == "sleep":
+        time.sleep(60)
+    return 0
+"""
+DRIVER = """
+import atexit, json, os, subprocess, sys
+from pathlib import Path
+from kdrun.runtime.forkrun import fork_module
+
+tmp = Path(sys.argv[1])
+def parent_atexit():
+    with open(tmp / "parent_atexit", "a") as f:
+        f.write(f"{os.getpid()}\\n")
+
+
+atexit.register(parent_atexit)  # the parent's, not the children's
+rows = {"driver": os.getpid()}
+for what in ("return", "exit", "raise", "kill", "sleep"):
+    out = tmp / what
+    out.mkdir()
+    with open(out / "stdout", "w") as o, open(out / "stderr", "w") as e:
+        child = fork_module("kdrun_fork_probe", [what, str(out)], {**os.environ, "PROBE_SETTING": what},
+                            o.fileno(), e.fileno(), new_session=(what == "return"))
+        try:
+            rows[what] = child.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            os.kill(child.pid, 9)
+            rows[what] = ["timeout", child.wait()]
+(tmp / "rows.json").write_text(json.dumps(rows))
+"""
+
+
+def test_fork_module_runs_a_modules_main_as_python_m_does(tmp_path: Path) -> None:
+    """forkrun.fork_module (the CPU device check's children): the exit status as an interpreter's (main's
+    return, sys.exit, an exception, a signal), the output to the given files, the given environment, a
+    session of its own where asked, the child's own atexit handlers and not the parent's."""
+    (tmp_path / "kdrun_fork_probe.py").write_text(PROBE)
+    (tmp_path / "driver.py").write_text(DRIVER)
+    p = subprocess.run([sys.executable, str(tmp_path / "driver.py"), str(tmp_path)], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert (tmp_path / "parent_atexit").read_text() == f"{rows.pop('driver')}\n"  # once, in the parent
+    assert rows == {"return": 0, "exit": 3, "raise": 1, "kill": -signal.SIGKILL, "sleep": ["timeout", -signal.SIGKILL]}
+    for what in rows:
+        assert (tmp_path / what / "stdout").read_text() == "to stdout\n"
+        assert (tmp_path / what / "stderr").read_text().startswith("to stderr\n")
+        setting, own_group, argv = (tmp_path / what / "seen").read_text().split(" ", 2)
+        assert setting == what and own_group == str(what == "return") and argv == str(["kdrun_fork_probe", what,
+                                                                                       str(tmp_path / what)])
+        assert (tmp_path / what / "own_atexit").exists() == (what in ("return", "exit", "raise")), what
+    assert "ValueError: probe failed" in (tmp_path / "raise" / "stderr").read_text()

@@ -15,7 +15,7 @@ from kdrun.strategies.phrases.align import SpanExtractor, word_char_spans
 from kdrun.strategies.phrases.chunker import Chunker, evaluate, get_chunker, iob_chunks, restrict_iob
 from kdrun.strategies.phrases.corpus import CorpusError, load_corpus, parse_conll
 from kdrun.strategies.phrases.tagger import history_features, static_features, train_tagger
-from tests.conftest import DATA, TINY, compose
+from tests.conftest import DATA, TINY, compose, share_chunkers
 
 CONLL = DATA / "conll2000"
 FAST = {"epochs": 30}  # a tiny corpus needs more passes than CoNLL-2000's 212k tokens
@@ -159,8 +159,8 @@ def test_chunker_cache_is_safe_and_keyed(tiny, tmp_path: Path, monkeypatch) -> N
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (CONLL / "train.txt").exists(), reason="CoNLL-2000 absent ($KDRUN_DATA/conll2000)")
-def test_real_conll2000_meets_the_goals(tmp_path: Path) -> None:
-    ch = get_chunker(CONLL, ["NP", "VP", "PP"], tmp_path, verbose=False)
+def test_real_conll2000_meets_the_goals(tmp_path: Path, conll_chunkers: Path) -> None:
+    ch = get_chunker(CONLL, ["NP", "VP", "PP"], share_chunkers(tmp_path / "cache", conll_chunkers), verbose=False)
     res = evaluate(ch, load_corpus(CONLL, need=("train.txt", "test.txt")).sentences("test.txt"))
     assert res["sentences"] == 2012 and res["tokens"] == 47377
     assert res["pos_accuracy"] >= 0.95

@@ -151,9 +151,9 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def child_command(spec: Spec, args: argparse.Namespace, tmp: Path, result: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "kdrun.app.device_checks", "--check", spec.name, "--tmp", str(tmp),
-           "--result", str(result), "--parent", str(os.getpid())]
+def child_args(spec: Spec, args: argparse.Namespace, tmp: Path, result: Path) -> list[str]:
+    """The arguments of ``python -m kdrun.app.device_checks`` for the check ``spec``."""
+    cmd = ["--check", spec.name, "--tmp", str(tmp), "--result", str(result), "--parent", str(os.getpid())]
     if args.fast:
         cmd.append("--fast")
     if args.tokenizer:
@@ -161,20 +161,46 @@ def child_command(spec: Spec, args: argparse.Namespace, tmp: Path, result: Path)
     return cmd
 
 
+CHILD_ENV = (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("WANDB_MODE", "offline"),
+             ("TOKENIZERS_PARALLELISM", "false"), ("PYTHONUNBUFFERED", "1"))
+
+
 def child_env(tmp: Path) -> dict[str, str]:
     env = dict(os.environ)
-    for key, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("WANDB_MODE", "offline"),
-                       ("TOKENIZERS_PARALLELISM", "false"), ("PYTHONUNBUFFERED", "1")):
+    for key, value in CHILD_ENV:
         env.setdefault(key, value)
     env["KDRUN_CACHE_DIR"] = str(tmp / "cache")
     return env
 
 
-def run_child(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int | None, str]:
-    """(exit status, or None at the timeout; the output's tail). The child leads a new process group,
-    which is killed whole at the timeout and after the child ends (no worker outlives its check)."""
+def forks_checks(cuda: bool) -> bool:
+    """Whether the checks are forked from the doctor (after it imported their libraries once) rather than
+    started as new interpreters: on a CPU, unless ``KDRUN_FORKRUN=0``. On CUDA every check is a new
+    interpreter, so that no check inherits a CUDA state from the process that started it."""
+    return not cuda and os.name == "posix" and os.environ.get("KDRUN_FORKRUN", "1") != "0"
+
+
+def preload() -> None:
+    """The checks' libraries imported once in the doctor, under the settings the checks run with (some are
+    read at import), before any check is forked from it."""
+    import importlib
+
+    from kdrun.runtime.forkrun import PRELOAD
+
+    for key, value in CHILD_ENV:
+        os.environ.setdefault(key, value)
+    for module in (*PRELOAD, "kdrun.app.device_checks", "kdrun.app.doctor_steps", "torch._dynamo"):
+        importlib.import_module(module)
+
+
+def run_child(args: list[str], env: dict[str, str], timeout: float, fork: bool) -> tuple[int | None, str]:
+    """(exit status, or None at the timeout; the output's tail) of ``python -m kdrun.app.device_checks
+    ARGS``. The child leads a new process group, which is killed whole at the timeout and after the child
+    ends (no worker outlives its check)."""
+    from kdrun.runtime.forkrun import start_module
+
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = start_module("kdrun.app.device_checks", args, fork, env, log.fileno(), log.fileno(), new_session=True)
         try:
             rc: int | None = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -189,11 +215,11 @@ def run_child(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int 
         return rc, log.read().decode("utf-8", "replace")
 
 
-def run_one(spec: Spec, args: argparse.Namespace, tmp: Path, timeout: float) -> dict[str, Any]:
+def run_one(spec: Spec, args: argparse.Namespace, tmp: Path, timeout: float, fork: bool) -> dict[str, Any]:
     """The check's line: its figures (from the child's result file), status and seconds."""
     result = tmp / f"result-{spec.name.replace(' ', '_')}.json"
     t0 = time.perf_counter()
-    rc, tail = run_child(child_command(spec, args, tmp, result), child_env(tmp), timeout)
+    rc, tail = run_child(child_args(spec, args, tmp, result), child_env(tmp), timeout, fork)
     seconds = time.perf_counter() - t0
     if rc is None:
         limit = spec.fast_s if args.fast else spec.limit_s
@@ -234,7 +260,9 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     print(f"kdrun-doctor --device-check: {len(specs)} checks, budget {args.budget_s:.0f} s, lines in {out}",
           flush=True)
     print("| check                  | status  | secs   | figures |\n|---|---|---:|---|", flush=True)
-    rows = []
+    rows, fork = [], forks_checks(cuda)
+    if fork and any(not s.cuda_only for s in specs):
+        preload()
     with tempfile.TemporaryDirectory(prefix="kdrun-device-check-") as tmp_s:
         for spec in specs:
             left = deadline - time.monotonic()
@@ -244,7 +272,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             elif left < floor:
                 row = skip_line(spec, f"not started: {max(left, 0):.0f} s of the {args.budget_s:.0f} s budget left")
             else:
-                row = run_one(spec, args, Path(tmp_s), min(limit, left))
+                row = run_one(spec, args, Path(tmp_s), min(limit, left), fork)
             append_line(out, row)
             print_row(row)
             rows.append(row)

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -407,18 +408,29 @@ def tiny_overrides(ctx: Ctx, extra: list[str]) -> list[str]:
             "train.device=auto", f"cache_dir={ctx.tmp / 'cache'}"]
 
 
-def kdrun_command(overrides: list[str], run_dir: Path, result: Path) -> list[str]:
-    """``python -m kdrun`` through :func:`as_kdrun` (graph breaks and host syncs written to ``result``)."""
-    return [sys.executable, "-m", "kdrun.app.device_checks", "--as-kdrun", str(result), "--",
-            *overrides, f"hydra.run.dir={run_dir}"]
+def kdrun_args(overrides: list[str], run_dir: Path, result: Path) -> list[str]:
+    """``python -m kdrun.app.device_checks`` ARGS: ``python -m kdrun`` through :func:`as_kdrun` (graph
+    breaks and host syncs written to ``result``)."""
+    return ["--as-kdrun", str(result), "--", *overrides, f"hydra.run.dir={run_dir}"]
+
+
+def forks(ctx: Ctx) -> bool:
+    """Whether this check forks the processes it starts (as the doctor forked it: on a CPU)."""
+    from kdrun.app.device_check import forks_checks
+
+    return forks_checks(ctx.device == "cuda")
 
 
 def kdrun_run(ctx: Ctx, name: str, overrides: list[str]) -> dict[str, Any]:
     """A ``python -m kdrun`` run in its own process: exit status, seconds, its stages' compilations and
     metrics (results.json), graph breaks and host syncs."""
+    from kdrun.runtime.forkrun import start_module
+
     run_dir, result = ctx.tmp / "runs" / name, ctx.tmp / f"as-kdrun-{name}.json"
     t0 = time.perf_counter()
-    p = subprocess.run(kdrun_command(overrides, run_dir, result))  # its output in the check's (a failed line's tail)
+    # its output in the check's (a failed line's tail)
+    p = start_module("kdrun.app.device_checks", kdrun_args(overrides, run_dir, result), forks(ctx))
+    p.wait()
     row: dict[str, Any] = {"rc": p.returncode, "seconds_run": round(time.perf_counter() - t0, 1),
                            "overrides": overrides, "run_dir": str(run_dir)}
     row.update(json.loads(result.read_text()) if result.exists() else {})
@@ -463,13 +475,17 @@ def export(ctx: Ctx) -> dict[str, Any]:
     if not (run_dir / "student").is_dir():
         return skip("the bf16 tiny run left no student")
     out = ctx.tmp / "export"
-    cmd = [sys.executable, "-m", "kdrun.app.export", str(run_dir), "--format", "onnx", "--max-rows", "64",
-           "--out", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    from kdrun.runtime.forkrun import start_module
+
+    args = [str(run_dir), "--format", "onnx", "--max-rows", "64", "--out", str(out)]
+    with tempfile.TemporaryFile() as log:
+        rc = start_module("kdrun.app.export", args, forks(ctx), stdout=log.fileno(), stderr=log.fileno()).wait()
+        log.seek(0)
+        output = log.read().decode("utf-8", "replace")
     files = sorted(f.name for f in out.glob("*")) if out.is_dir() else []
     report = json.loads((out / "export.json").read_text()) if (out / "export.json").exists() else None
-    ok = p.returncode == 0 and any(f.endswith(".onnx") for f in files)
-    return passed(ok, rc=p.returncode, files=files, export=report, **({} if ok else {"stderr_tail": p.stderr[-1500:]}))
+    ok = rc == 0 and any(f.endswith(".onnx") for f in files)
+    return passed(ok, rc=rc, files=files, export=report, **({} if ok else {"output_tail": output[-1500:]}))
 
 
 def doctor(ctx: Ctx) -> dict[str, Any]:

@@ -38,6 +38,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+import traceback
 import types
 from pathlib import Path
 from typing import Any, Iterator
@@ -183,3 +185,91 @@ def run(args: list[str], env: dict[str, str] | None = None, cwd: Path | None = N
             raise
         return subprocess.CompletedProcess([sys.executable, "-m", "kdrun", *args], rc,
                                            out.read_text(errors="replace"), err.read_text(errors="replace"))
+
+
+# ------------------------------------------------------- ``python -m MODULE`` forked from this process
+
+class Forked:
+    """A child forked by :func:`fork_module`, read as a ``subprocess.Popen``: ``pid``, ``poll()``,
+    ``wait(timeout)``, ``returncode`` (negative: the signal that ended it)."""
+
+    def __init__(self, pid: int, args: list[str]) -> None:
+        self.pid, self.args, self.returncode = pid, args, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            time.sleep(0.02)
+        return self.returncode
+
+
+def _exit_status(module: str, args: list[str]) -> int:
+    """``sys.exit(MODULE.main(ARGS))`` as an interpreter ends: its exit status."""
+    import importlib
+
+    try:
+        code = importlib.import_module(module).main(list(args))
+    except SystemExit as e:
+        code = e.code
+    except BaseException:  # noqa: BLE001 - printed and exit status 1, as an interpreter does
+        traceback.print_exc()
+        return 1
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)
+    return 1
+
+
+def fork_module(module: str, args: list[str], env: dict[str, str] | None = None, stdout: int | None = None,
+                stderr: int | None = None, new_session: bool = False) -> Forked:
+    """``python -m MODULE ARGS`` (MODULE's ``main(argv)``) in a child forked from this process, which has
+    its imports: for a process that has imported libraries and run nothing on them yet (no thread pool
+    started, no CUDA initialised), as a preloading server has. ``stdout``/``stderr``: file descriptors
+    (None: this process's); ``env``: the child's environment (None: this one's). The child runs the
+    ``atexit`` handlers it registers itself, not this process's (which may remove this process's files)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return Forked(pid, [module, *args])
+    code = 1
+    try:
+        atexit._clear()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if new_session:
+            os.setsid()
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        for target, fd in ((1, stdout), (2, stderr)):
+            if fd is not None:
+                os.dup2(fd, target)
+        sys.argv = [module, *args]
+        code = _exit_status(module, args)
+        atexit._run_exitfuncs()
+    finally:
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def start_module(module: str, args: list[str], fork: bool, env: dict[str, str] | None = None,
+                 stdout: int | None = None, stderr: int | None = None,
+                 new_session: bool = False) -> Forked | subprocess.Popen:
+    """``python -m MODULE ARGS``: forked from this process (:func:`fork_module`) where ``fork``, else a
+    new interpreter."""
+    if fork and os.name == "posix":
+        return fork_module(module, args, env, stdout, stderr, new_session)
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=stdout, stderr=stderr, env=env,
+                            start_new_session=new_session)

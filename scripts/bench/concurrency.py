@@ -13,33 +13,35 @@ run alone for reference. Take the figures on an otherwise idle machine.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from kdrun.runtime import harness
+from kdrun.runtime import forkrun, harness
 
 # --fast: tiny random teacher and student (all-MiniLM-L6-v2's tokenizer, no download) on a few toy
-# sentences, one epoch each: the whole comparison in seconds, for checking the script, not for figures.
+# sentences, one epoch each, the runs forked: the whole comparison in seconds, for checking the script, not
+# for figures.
 FAST = ["teacher=tiny_random", "student=tiny_random", "teacher.finetune.epochs=1", "train.epochs=1",
         "task.toy.num_train=64", "task.toy.num_validation=32"]
 
 
-def kdrun_cmd(args: list[str], out: Path, tag: str) -> list[str]:
-    return [sys.executable, "-m", "kdrun", *args, "logger=none", f"hydra.run.dir={out / tag}", "resume=false"]
+def kdrun_args(args: list[str], out: Path, tag: str) -> list[str]:
+    return [*args, "logger=none", f"hydra.run.dir={out / tag}", "resume=false"]
 
 
-def timed(cmds: list[list[str]], env: dict[str, str]) -> float:
-    """Wall time from starting all ``cmds`` together until the last one ends."""
-    t0 = time.perf_counter()
-    procs = [subprocess.Popen(c, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for c in cmds]
-    for p in procs:
-        _, err = p.communicate()
-        if p.returncode != 0:
-            raise SystemExit(f"a run failed ({p.returncode}):\n{err[-2000:]}")
-    return time.perf_counter() - t0
+def timed(runs: list[list[str]], env: dict[str, str], fast: bool = False) -> float:
+    """Wall time from starting all ``kdrun RUNS[i]`` together until the last one ends. ``fast``: forked
+    from a process that imported kdrun's libraries once (kdrun.runtime.forkrun), else new interpreters
+    as a user starts them (KDRUN_FORKRUN=0)."""
+    env = env if fast else {**env, "KDRUN_FORKRUN": "0"}
+    with tempfile.TemporaryDirectory(prefix="kdrun-bench-conc-out-") as tmp:
+        t0 = time.perf_counter()
+        procs = [forkrun.start(r, env, Path(tmp) / f"{i}.out", err=Path(tmp) / f"{i}.err") for i, r in enumerate(runs)]
+        for i, p in enumerate(procs):
+            if p.wait() != 0:
+                raise SystemExit(f"a run failed ({p.returncode}):\n{(Path(tmp) / f'{i}.err').read_text()[-2000:]}")
+        return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,10 +58,11 @@ def main(argv: list[str] | None = None) -> None:
     cores = len(os.sched_getaffinity(0))
 
     print(f"[bench] warm-up run (fills the teacher cache) in {work}", flush=True)
-    timed([kdrun_cmd(base, work, "warmup")], env)
-    alone = timed([kdrun_cmd(base, work, "alone")], env)
-    naive = timed([kdrun_cmd([*base, f"train.num_threads={cores}"], work, f"naive{i}") for i in (1, 2)], env)
-    fixed = timed([kdrun_cmd(base, work, f"default{i}") for i in (1, 2)], env)
+    timed([kdrun_args(base, work, "warmup")], env, args.fast)
+    alone = timed([kdrun_args(base, work, "alone")], env, args.fast)
+    naive = timed([kdrun_args([*base, f"train.num_threads={cores}"], work, f"naive{i}") for i in (1, 2)], env,
+                  args.fast)
+    fixed = timed([kdrun_args(base, work, f"default{i}") for i in (1, 2)], env, args.fast)
     print(f"\n{cores} cores; `kdrun {' '.join(base)}`")
     print(f"one run alone:                              {alone:7.1f} s")
     print(f"two at once, each with all {cores} threads (naive):  {naive:7.1f} s  ({naive / alone:.2f}x one run)")
