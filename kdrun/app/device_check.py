@@ -3,7 +3,7 @@
     kdrun-doctor --device-check --out DIR [--fast] [--budget-s 420] [--tokenizer DIR] [--checks a,b]
     python -m kdrun.app.doctor --device-check --out DIR        (the same, where no console script exists)
 
-Every check runs in a child process of its own process group (``start_new_session``) under a hard
+Every check runs in a child process of its own process group (a new session) under a hard
 timeout, the smaller of its own limit and what is left of the whole budget; at the timeout the whole
 group gets SIGKILL, so a CUDA call that never returns and inductor's compile workers end with it.
 As soon as a check ends, one JSON line (name, status pass / fail / skip / timeout, figures, seconds)
@@ -24,9 +24,14 @@ bodies):
 5. tiny runs in bf16 and fp16 and with ``teacher.store=on``, kdrun-export of a trained student, the
    fp16 overflow skip (CUDA only) and the whole kdrun-doctor.
 
+On CUDA each check (and each process a check starts) is a new interpreter, so that none inherits
+a CUDA state. On a CPU they are forked from the doctor after it imported their libraries once
+(:func:`kdrun.runtime.forkrun.fork_module`; ``KDRUN_FORKRUN=0``: new interpreters there too), which
+saves some 5 s of imports per process.
+
 ``--fast``: tiny shapes on any device (CUDA-only checks recorded as skipped, compiled rows through
-the ``aot_eager`` backend; TinyBERT's and MiniLM's steps and the whole doctor left out), under
-3 minutes on a 2-core CPU. The tiny runs need a tokenizer: the
+the ``aot_eager`` backend; TinyBERT's and MiniLM's steps and the whole doctor left out), about a
+minute on a 2-core CPU. The tiny runs need a tokenizer: the
 all-MiniLM package's (``kdrun[minilm]``) or a folder saved by ``scripts/setup/device_wheels.sh``
 (``--tokenizer DIR`` or ``$KDRUN_TINY_TOKENIZER``). Exit status 0 when no check failed or timed out.
 """
@@ -292,7 +297,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                    help="the GPU measurements, each check in its own process group under a hard timeout, one "
                         f"JSON line each in DIR/{JSONL} (see docs/speed.md)")
     g.add_argument("--fast", action="store_true",
-                   help="tiny shapes on any device (a dress rehearsal, under 3 min on a 2-core CPU)")
+                   help="tiny shapes on any device (a dress rehearsal, about 1 min on a 2-core CPU)")
     g.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, metavar="N",
                    help=f"the whole check's time in seconds (default {DEFAULT_BUDGET_S:.0f}); checks that cannot "
                         "start in what is left are recorded as skipped")

@@ -8,7 +8,8 @@ The default setting is where the store is meant to pay: a teacher of BERT-base's
 what the weights learnt) distilled into a 4-layer, 312-wide student (TinyBERT's shape) on SST-2
 (``--train-rows`` rows), a sweep of 2 objectives x 3 seeds.
 
-Each run of the sweep is its own ``kdrun`` process, as in a multirun: first every (objective, seed)
+Each run of the sweep is its own ``kdrun`` process, as in a multirun (with ``--fast`` forked from a
+process that imported kdrun's libraries once, kdrun.runtime.forkrun): first every (objective, seed)
 with ``teacher.store=off`` (the teacher runs for every batch of every epoch), then the same runs
 with ``teacher.store=on`` starting from an empty store (the sweep pays for building it). The
 teacher is fine-tuned once beforehand and shared (the cache's other kinds are linked into the
@@ -26,12 +27,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from kdrun.runtime import harness
+from kdrun.runtime import forkrun, harness
 
 # BERT-base's shape for the teacher, TinyBERT's 4-layer/312 for the student (random weights)
 BERT_BASE = ["teacher=tiny_random", "teacher.name=bert_base_shape", "teacher.hidden_size=768",
@@ -83,8 +83,10 @@ def bench_cache(args: argparse.Namespace, out: Path) -> Path:
     return cache
 
 
-def kdrun(overrides: list[str], check: bool = True) -> None:
-    r = subprocess.run([sys.executable, "-m", "kdrun", *overrides], capture_output=True, text=True)
+def kdrun(overrides: list[str], fast: bool, check: bool = True) -> None:
+    """``kdrun OVERRIDES``: a new interpreter as a user starts it, or with ``fast`` forked from a process
+    that imported kdrun's libraries once (kdrun.runtime.forkrun)."""
+    r = forkrun.run(overrides, None if fast else {**os.environ, "KDRUN_FORKRUN": "0"})
     if check and r.returncode != 0:
         raise SystemExit(f"kdrun {' '.join(overrides)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
 
@@ -95,7 +97,7 @@ def sweep(args: argparse.Namespace, mode: str, cache: Path, out: Path) -> dict:
         for seed in args.seeds.split(","):
             run_dir = out / mode / f"{objective}-{seed}"
             kdrun([*base_overrides(args), f"objective={objective}", f"seed={seed}", f"teacher.store={mode}",
-                   f"cache_dir={cache}", f"output_dir={run_dir}"])
+                   f"cache_dir={cache}", f"output_dir={run_dir}"], args.fast)
             res = json.loads((run_dir / "results.json").read_text())
             rows += res["teacher_forward"]["rows"]
             n = sum(s.get("steps", 0) for s in res["stages"])
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = bench_cache(args, out)
     print("[bench_store] the teacher (fine-tuned once, shared by both sweeps)", flush=True)
     kdrun([*base_overrides(args), "objective=logit", "seed=0", "teacher.store=off", f"cache_dir={cache}",
-           f"output_dir={out / 'teacher'}", "train.stop_after_steps=1"], check=False)  # stops after one step
+           f"output_dir={out / 'teacher'}", "train.stop_after_steps=1"], args.fast, check=False)  # stops after one step
     res = {mode: sweep(args, mode, cache, out) for mode in ("off", "on")}
     print(f"\n{'store':6} {'runs':>5} {'wall s':>8} {'teacher fwd rows':>17} {'entries':>8} {'MiB':>8} "
           f"{'step ms':>8} {'mean dev':>9}")
