@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kdrun.runtime import forkrun
 from tests.conftest import REPO, load_script, slow_test_seconds
 from tests.test_dynabert import TINY_DYNABERT_RUN
 
@@ -24,10 +25,11 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "off
 
 def run_script(name: str, *args: str, tmp_path: Path, timeout: float = 180, **env: str) -> str:
     """``python scripts/<name>.py ARGS`` from the repository root, offline, with its cache under
-    ``tmp_path``; returns its stdout after checking that it exited with 0."""
+    ``tmp_path``, forked from a process that imported kdrun's libraries once (kdrun.runtime.forkrun;
+    a new interpreter where the environment's import-time settings differ from that process's);
+    returns its stdout after checking that it exited with 0."""
     full_env = {**os.environ, **OFFLINE, "KDRUN_CACHE_DIR": str(tmp_path / "cache"), **env}
-    proc = subprocess.run([sys.executable, f"scripts/{name}.py", *args], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = forkrun.run(list(args), full_env, REPO, timeout, script=f"scripts/{name}.py")
     assert proc.returncode == 0, f"{name} exited with {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc.stdout
 
@@ -235,9 +237,8 @@ def test_check_export_on_a_tiny_dynabert_run(tmp_path: Path) -> None:
     one), then the export round trip: the exported sub-network loads with from_pretrained and gives
     the in-run sub-network's logits and metrics."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "kdrun", *TINY_DYNABERT_RUN, f"cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"],
-        capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"})
+    proc = forkrun.run([*TINY_DYNABERT_RUN, f"cache_dir={tmp_path}/cache", f"hydra.run.dir={run_dir}"],
+                       {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"}, REPO, 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "exported"
     stdout = run_script("checks/export", str(run_dir), "width=0.5", "depth=0.5", str(out), tmp_path=tmp_path)
