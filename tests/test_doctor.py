@@ -7,13 +7,13 @@ import json
 import math
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from kdrun.app import doctor, doctor_steps
+from kdrun.runtime import forkrun
 from tests.conftest import REPO
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -29,8 +29,8 @@ def labelled_objectives() -> list[str]:
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path_factory.mktemp("doctor") / "d.json"
-    proc = subprocess.run([sys.executable, "-m", "kdrun.app.doctor", "--quick", "--out", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    # forked from a process that imported kdrun's libraries (kdrun.runtime.forkrun)
+    proc = forkrun.run(["--quick", "--out", str(out)], None, REPO, 600, module="kdrun.app.doctor")
     assert out.exists(), proc.stdout + proc.stderr
     return proc, json.loads(out.read_text())
 
@@ -120,8 +120,7 @@ def test_fixed_batch_spans_stay_inside_each_row() -> None:
 
 def test_bench_engine_fast_prints_the_ratios(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "engine.py"), "--fast", "--json", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = forkrun.run(["--fast", "--json", str(out)], None, REPO, 300, script="scripts/bench/engine.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for prec in ("fp32", "bf16"):
         assert re.search(rf"\(a\) objective=ckd, {prec}: .*\n(.*\n){{3}}throughput ratio kdrun / naive: \d+\.\d\dx",

@@ -260,14 +260,14 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     out = args.out / JSONL
     args.out.mkdir(parents=True, exist_ok=True)
     specs = planned(args.fast, args.checks.split(",") if args.checks else None)
-    cuda, deadline = device_type() == "cuda", time.monotonic() + args.budget_s
-    floor = FAST_FLOOR_S if args.fast else FLOOR_S
+    cuda = device_type() == "cuda"
+    rows, fork = [], forks_checks(cuda)
+    if fork and any(not s.cuda_only for s in specs):
+        preload()  # before the budget starts: on CUDA there is nothing to import here
+    deadline, floor = time.monotonic() + args.budget_s, FAST_FLOOR_S if args.fast else FLOOR_S
     print(f"kdrun-doctor --device-check: {len(specs)} checks, budget {args.budget_s:.0f} s, lines in {out}",
           flush=True)
     print("| check                  | status  | secs   | figures |\n|---|---|---:|---|", flush=True)
-    rows, fork = [], forks_checks(cuda)
-    if fork and any(not s.cuda_only for s in specs):
-        preload()
     with tempfile.TemporaryDirectory(prefix="kdrun-device-check-") as tmp_s:
         for spec in specs:
             left = deadline - time.monotonic()

@@ -55,8 +55,8 @@ _SERVER: dict[str, Any] = {}  # "env": the environment the server imported PRELO
 
 
 def _run_as_main(args: list[str], env: dict[str, str], cwd: str, out: str, new_session: bool,
-                 err: str | None = None, script: str | None = None) -> None:
-    """The forked run: ``python -m kdrun *args`` (``script``: ``python SCRIPT *args``) in ``env`` and
+                 err: str | None = None, script: str | None = None, module: str = "kdrun") -> None:
+    """The forked run: ``python -m MODULE *args`` (``script``: ``python SCRIPT *args``) in ``env`` and
     ``cwd``, stdout to ``out`` and stderr to ``err`` (None: to ``out`` too), both appended."""
     if new_session:
         os.setsid()
@@ -73,12 +73,12 @@ def _run_as_main(args: list[str], env: dict[str, str], cwd: str, out: str, new_s
     # sys.path[0]: the script's folder (python SCRIPT) or the working directory (python -m)
     first = [os.path.dirname(script) if script else cwd, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
     sys.path[:] = [*first, *(p for p in sys.path if p not in first and p not in ("", "."))]
-    sys.argv = [script, *args] if script else ["-m", *args]  # runpy puts kdrun's __main__.py first, as -m does
+    sys.argv = [script, *args] if script else ["-m", *args]  # runpy puts the module's path first, as -m does
     try:
         if script:
             runpy.run_path(script, run_name="__main__")
         else:
-            runpy.run_module("kdrun", run_name="__main__", alter_sys=True)
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     finally:
         atexit._run_exitfuncs()  # the fork ends with os._exit: run what an interpreter runs at its end
 
@@ -150,23 +150,25 @@ def _at_import(env: dict[str, str]) -> dict[str, str]:
 
 
 def start(args: list[str], env: dict[str, str], out: Path, cwd: Path | None = None,
-          new_session: bool = False, err: Path | None = None, script: str | None = None) -> Run | subprocess.Popen:
-    """Start ``python -m kdrun *args`` (``script``: ``python SCRIPT *args``, the path relative to ``cwd``;
-    stdout appended to ``out``, stderr to ``err`` or else ``out``): forked where it can be."""
+          new_session: bool = False, err: Path | None = None, script: str | None = None,
+          module: str = "kdrun") -> Run | subprocess.Popen:
+    """Start ``python -m MODULE *args`` (``script``: ``python SCRIPT *args``, the path relative to
+    ``cwd``; stdout appended to ``out``, stderr to ``err`` or else ``out``): forked where it can be."""
     cwd = str(cwd or os.getcwd())
     script = script and os.path.join(cwd, script)
     if env.get("KDRUN_FORKRUN", os.environ.get("KDRUN_FORKRUN", "1")) != "0" and os.name == "posix":
         ctx = _context(env)
         if ctx is not None:
             process = ctx.Process(target=_run_as_main,
-                                  args=(list(args), env, cwd, str(out), new_session, err and str(err), script))
+                                  args=(list(args), env, cwd, str(out), new_session, err and str(err), script,
+                                        module))
             with _main_hidden():
                 process.start()
             return Run(process, list(args))
     with contextlib.ExitStack() as files:
         f = files.enter_context(open(out, "a"))
         e = files.enter_context(open(err, "a")) if err else subprocess.STDOUT
-        return subprocess.Popen([sys.executable, *([script] if script else ["-m", "kdrun"]), *args], stdout=f,
+        return subprocess.Popen([sys.executable, *([script] if script else ["-m", module]), *args], stdout=f,
                                 stderr=e, env=env, cwd=cwd, start_new_session=new_session)
 
 
@@ -176,20 +178,21 @@ def call(args: list[str], env: dict[str, str], out: Path, cwd: Path | None = Non
 
 
 def run(args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None,
-        timeout: float | None = None, script: str | None = None) -> subprocess.CompletedProcess:
-    """``subprocess.run([python, -m, kdrun, *args], capture_output=True, text=True, timeout=...)``
+        timeout: float | None = None, script: str | None = None, module: str = "kdrun") -> subprocess.CompletedProcess:
+    """``subprocess.run([python, -m, MODULE, *args], capture_output=True, text=True, timeout=...)``
     (``script``: ``[python, SCRIPT, *args]``), forked where it can be: the run is killed at the timeout
     (``subprocess.TimeoutExpired``)."""
     with tempfile.TemporaryDirectory(prefix="kdrun-forkrun-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        proc = start(list(args), dict(os.environ if env is None else env), out, cwd, err=err, script=script)
+        proc = start(list(args), dict(os.environ if env is None else env), out, cwd, err=err, script=script,
+                     module=module)
         try:
             rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
             raise
-        return subprocess.CompletedProcess([sys.executable, *([script] if script else ["-m", "kdrun"]), *args], rc,
+        return subprocess.CompletedProcess([sys.executable, *([script] if script else ["-m", module]), *args], rc,
                                            out.read_text(errors="replace"), err.read_text(errors="replace"))
 
 
