@@ -270,18 +270,15 @@ def test_corpus_shards_are_cached_by_content(run_cfg, corpus: Path, tmp_path: Pa
 
 def test_probe_fine_tunes_the_general_student_next_to_its_random_twin(run_cfg, corpus: Path, tmp_path: Path,
                                                                       cache_dir: Path) -> None:
-    import subprocess
-    import sys
-
+    from kdrun.runtime import forkrun
     from tests.test_sweeps import env_for
 
     run(run_cfg(*corpus_args(corpus, "ckd_general"), toy=False), tmp_path / "g")
     out = tmp_path / "probe"
-    cmd = [sys.executable, "-m", "kdrun.strategies.general.cli", "probe", str(tmp_path / "g"), "--tasks", "toy",
-           "--seeds", "1",
-           "--out", str(out), "task.toy.num_train=160", "task.toy.num_validation=64", "train.epochs=1",
-           f"cache_dir={cache_dir}"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env_for(tmp_path), cwd=tmp_path, timeout=600)
+    args = ["probe", str(tmp_path / "g"), "--tasks", "toy", "--seeds", "1", "--out", str(out),
+            "task.toy.num_train=160", "task.toy.num_validation=64", "train.epochs=1", f"cache_dir={cache_dir}"]
+    # python -m kdrun.strategies.general.cli ARGS, forked from a process that imported kdrun's libraries
+    done = forkrun.run(args, env_for(tmp_path), tmp_path, 600, module="kdrun.strategies.general.cli")
     assert done.returncode == 0, done.stderr[-2000:]
     table = json.loads((out / "probe.json").read_text())
     assert set(table) == {"ckd_general", "random-init"}

@@ -285,12 +285,11 @@ def test_num_workers_config_key() -> None:
 
 def test_bench_collate_script_runs_fast() -> None:
     import re
-    import subprocess
-    import sys
+
+    from kdrun.runtime import forkrun
 
     repo = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "scripts/bench/collate.py", "--fast"], cwd=repo, capture_output=True,
-                       text=True, timeout=300)
+    r = forkrun.run(["--fast"], None, repo, 300, script="scripts/bench/collate.py")  # forked: python SCRIPT ARGS
     assert r.returncode == 0, r.stderr
     m = re.search(r"^ratio (\d+\.\d+)x", r.stdout, re.M)
     assert m and float(m.group(1)) > 0, r.stdout

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from kdrun.runtime import forkrun
 from tests.conftest import REPO, TINY, TOY
 from tests.test_ddp import ARGS, torchrun
 from tests.test_sweeps import env_for
@@ -57,8 +58,7 @@ def test_store_ddp_rank0_dies_while_building(tmp_path: Path) -> None:
     exits within its poll interval with the line naming cache_dir."""
     common = [*TINY, *TOY, "objective=logit", f"cache_dir={tmp_path}/cache", "task.imports=[tests.slow_store_build]"]
     env = {**env_for(tmp_path), "PYTHONPATH": str(REPO)}
-    warm = subprocess.run([sys.executable, "-m", "kdrun", *common, "teacher.store=off", f"output_dir={tmp_path}/warm"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    warm = forkrun.run([*common, "teacher.store=off", f"output_dir={tmp_path}/warm"], env, tmp_path, 600)  # forked
     assert warm.returncode == 0, warm.stderr[-3000:]  # the teacher, cached
     port = str(29700 + os.getpid() % 1000)
     procs = []
