@@ -3,7 +3,7 @@
     kdrun-doctor --device-check --out DIR [--fast] [--budget-s 420] [--tokenizer DIR] [--checks a,b]
     python -m kdrun.app.doctor --device-check --out DIR        (the same, where no console script exists)
 
-Every check runs in a child process of its own process group (a new session) under a hard
+Every check runs in a child process of its own process group (setsid) under a hard
 timeout, the smaller of its own limit and what is left of the whole budget; at the timeout the whole
 group gets SIGKILL, so a CUDA call that never returns and inductor's compile workers end with it.
 As soon as a check ends, one JSON line (name, status pass / fail / skip / timeout, figures, seconds)

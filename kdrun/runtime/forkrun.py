@@ -5,7 +5,8 @@ datasets, evaluate and accelerate before kdrun reads its command line: most of a
 that start many tiny runs (the fuzz scripts) start them with :func:`start` or :func:`call` instead.
 A server process (Python's ``multiprocessing`` forkserver, :data:`PRELOAD` imported once) forks each
 run; the fork then does what ``python -m kdrun ARGS`` does (``runpy`` runs the ``kdrun`` package as
-``__main__``, ``sys.argv[1:]`` = ARGS) in the run's environment, working directory and output file,
+``__main__``, ``sys.argv[1:]`` = ARGS; ``module=``: another module, ``script=``: ``python SCRIPT ARGS``)
+in the run's environment, working directory and output file,
 leading a process group of its own (setsid) if asked. It is the run's process: its ``pid`` takes
 signals; its exit status reads as ``subprocess.Popen.returncode`` does (negative: the signal that
 ended it); at its end it runs the ``atexit`` handlers and waits for its threads as an interpreter does.
@@ -25,6 +26,9 @@ process would after the import.
 
 The forked run's ``/proc/PID/environ`` shows the server's environment: the run's own is set with
 ``os.environ`` after the fork (the processes it starts get the run's).
+
+:func:`fork_module` forks from the calling process instead of a server (the CPU device check's
+checks, forked from the doctor after it imported their libraries).
 """
 
 from __future__ import annotations
