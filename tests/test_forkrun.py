@@ -188,3 +188,34 @@ def test_fork_module_runs_a_modules_main_as_python_m_does(tmp_path: Path) -> Non
                                                                                        str(tmp_path / what)])
         assert (tmp_path / what / "own_atexit").exists() == (what in ("return", "exit", "raise")), what
     assert "ValueError: probe failed" in (tmp_path / "raise" / "stderr").read_text()
+
+
+SIBLING_SCRIPT = """
+import os, sys
+from kdrun_sibling_probe import WHERE  # next to the script: sys.path[0] is its folder, as for python SCRIPT
+
+print(sys.argv, WHERE == os.path.dirname(os.path.abspath(sys.argv[0])))
+print("err", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_run_of_a_script_and_of_a_module_reads_as_the_fresh_processes(tmp_path: Path) -> None:
+    """forkrun.run(script=...) is ``python SCRIPT ARGS`` (sys.argv, sys.path[0] the script's folder, exit
+    status, stdout and stderr apart) and forkrun.run(module=...) is ``python -m MODULE ARGS``: the same as
+    the fresh processes."""
+    folder = tmp_path / "tools"
+    folder.mkdir()
+    (folder / "probe.py").write_text(SIBLING_SCRIPT)
+    (folder / "kdrun_sibling_probe.py").write_text("import os\nWHERE = os.path.dirname(os.path.abspath(__file__))\n")
+    (tmp_path / "kdrun_module_probe.py").write_text(
+        SIBLING_SCRIPT.replace("from kdrun_sibling_probe import WHERE", "WHERE = os.getcwd()"))
+    environ = {**env(), "PYTHONPATH": str(tmp_path)}
+    script = str(folder / "probe.py")  # absolute: the fork's sys.argv[0] is the script's absolute path
+    for how, argv0 in (({"script": script}, script),
+                       ({"module": "kdrun_module_probe"}, str(tmp_path / "kdrun_module_probe.py"))):
+        got = forkrun.run(["3", "x"], environ, tmp_path, 120, **how)
+        fresh = subprocess.run([sys.executable, *([script] if "script" in how else ["-m", how["module"]]),
+                                "3", "x"], cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=120)
+        assert (got.returncode, got.stdout, got.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr) == (
+            3, f"{[argv0, '3', 'x']} True\n", "err\n"), how

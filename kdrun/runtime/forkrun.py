@@ -75,12 +75,13 @@ def _run_as_main(args: list[str], env: dict[str, str], cwd: str, out: str, new_s
         os.close(fd)
     os.chdir(cwd)
     # sys.path[0]: the script's folder (python SCRIPT) or the working directory (python -m)
-    first = [os.path.dirname(script) if script else cwd, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    first = [os.path.dirname(os.path.abspath(script)) if script else cwd,
+             *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
     sys.path[:] = [*first, *(p for p in sys.path if p not in first and p not in ("", "."))]
     sys.argv = [script, *args] if script else ["-m", *args]  # runpy puts the module's path first, as -m does
     try:
         if script:
-            runpy.run_path(script, run_name="__main__")
+            runpy.run_path(os.path.abspath(script), run_name="__main__")  # __file__ and sys.argv[0] absolute
         else:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
     finally:
@@ -159,7 +160,6 @@ def start(args: list[str], env: dict[str, str], out: Path, cwd: Path | None = No
     """Start ``python -m MODULE *args`` (``script``: ``python SCRIPT *args``, the path relative to
     ``cwd``; stdout appended to ``out``, stderr to ``err`` or else ``out``): forked where it can be."""
     cwd = str(cwd or os.getcwd())
-    script = script and os.path.join(cwd, script)
     if env.get("KDRUN_FORKRUN", os.environ.get("KDRUN_FORKRUN", "1")) != "0" and os.name == "posix":
         ctx = _context(env)
         if ctx is not None:
