@@ -154,6 +154,11 @@ def _at_import(env: dict[str, str]) -> dict[str, str]:
         k == r or r.endswith("*") and k.startswith(r[:-1]) for r in RUN_TIME)}
 
 
+def _command(args: list[str], script: str | None, module: str) -> list[str]:
+    """The new interpreter's command: ``python SCRIPT ARGS`` or ``python -m MODULE ARGS``."""
+    return [sys.executable, *([script] if script else ["-m", module]), *args]
+
+
 def start(args: list[str], env: dict[str, str], out: Path, cwd: Path | None = None,
           new_session: bool = False, err: Path | None = None, script: str | None = None,
           module: str = "kdrun") -> Run | subprocess.Popen:
@@ -172,8 +177,8 @@ def start(args: list[str], env: dict[str, str], out: Path, cwd: Path | None = No
     with contextlib.ExitStack() as files:
         f = files.enter_context(open(out, "a"))
         e = files.enter_context(open(err, "a")) if err else subprocess.STDOUT
-        return subprocess.Popen([sys.executable, *([script] if script else ["-m", module]), *args], stdout=f,
-                                stderr=e, env=env, cwd=cwd, start_new_session=new_session)
+        return subprocess.Popen(_command(args, script, module), stdout=f, stderr=e, env=env, cwd=cwd,
+                                start_new_session=new_session)
 
 
 def call(args: list[str], env: dict[str, str], out: Path, cwd: Path | None = None) -> int:
@@ -196,8 +201,8 @@ def run(args: list[str], env: dict[str, str] | None = None, cwd: Path | None = N
             proc.kill()
             proc.wait()
             raise
-        return subprocess.CompletedProcess([sys.executable, *([script] if script else ["-m", module]), *args], rc,
-                                           out.read_text(errors="replace"), err.read_text(errors="replace"))
+        return subprocess.CompletedProcess(_command(args, script, module), rc, out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
 
 
 # ------------------------------------------------------- ``python -m MODULE`` forked from this process
@@ -284,5 +289,5 @@ def start_module(module: str, args: list[str], fork: bool, env: dict[str, str] |
     new interpreter."""
     if fork and os.name == "posix":
         return fork_module(module, args, env, stdout, stderr, new_session)
-    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=stdout, stderr=stderr, env=env,
+    return subprocess.Popen(_command(args, None, module), stdout=stdout, stderr=stderr, env=env,
                             start_new_session=new_session)
