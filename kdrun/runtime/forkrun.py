@@ -222,11 +222,15 @@ class Forked:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
+        """Blocks without a timeout; with one, polls every millisecond at most and never sleeps past it."""
+        if timeout is None and self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0)
-            time.sleep(0.02)
+            time.sleep(min(0.001, left))
         return self.returncode
 
 
