@@ -182,7 +182,9 @@ def forks_checks(cuda: bool) -> bool:
     """Whether the checks are forked from the doctor (after it imported their libraries once) rather than
     started as new interpreters: on a CPU, unless ``KDRUN_FORKRUN=0``. On CUDA every check is a new
     interpreter, so that no check inherits a CUDA state from the process that started it."""
-    return not cuda and os.name == "posix" and os.environ.get("KDRUN_FORKRUN", "1") != "0"
+    from kdrun.runtime.forkrun import enabled
+
+    return not cuda and enabled()
 
 
 def preload() -> None:

@@ -159,13 +159,20 @@ def _command(args: list[str], script: str | None, module: str) -> list[str]:
     return [sys.executable, *([script] if script else ["-m", module]), *args]
 
 
+def enabled(env: dict[str, str] | None = None) -> bool:
+    """Whether processes are forked here: on POSIX, unless ``KDRUN_FORKRUN=0`` (in ``env``, else in this
+    process's environment)."""
+    value = (env or {}).get("KDRUN_FORKRUN", os.environ.get("KDRUN_FORKRUN", "1"))
+    return value != "0" and os.name == "posix"
+
+
 def start(args: list[str], env: dict[str, str], out: Path, cwd: Path | None = None,
           new_session: bool = False, err: Path | None = None, script: str | None = None,
           module: str = "kdrun") -> Run | subprocess.Popen:
     """Start ``python -m MODULE *args`` (``script``: ``python SCRIPT *args``, the path relative to
     ``cwd``; stdout appended to ``out``, stderr to ``err`` or else ``out``): forked where it can be."""
     cwd = str(cwd or os.getcwd())
-    if env.get("KDRUN_FORKRUN", os.environ.get("KDRUN_FORKRUN", "1")) != "0" and os.name == "posix":
+    if enabled(env):
         ctx = _context(env)
         if ctx is not None:
             process = ctx.Process(target=_run_as_main,
@@ -223,13 +230,15 @@ class Forked:
 
     def wait(self, timeout: float | None = None) -> int:
         """Blocks without a timeout; with one, polls every millisecond at most and never sleeps past it."""
-        if timeout is None and self.returncode is None:
-            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if timeout is None:
+            if self.returncode is None:
+                self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+            return self.returncode
+        deadline = time.monotonic() + timeout
         while self.poll() is None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+                raise subprocess.TimeoutExpired(self.args, timeout)
             time.sleep(min(0.001, left))
         return self.returncode
 
